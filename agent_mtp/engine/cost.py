@@ -1,0 +1,132 @@
+"""Cost-aware k: how expensive a forward of n tokens is on this machine, and which k pays most.
+
+On a CPU a 16-token forward costs ~2x a 1-token forward (fp32), on a GPU ~1x, so the best number of masks differs:
+``KChooser`` maximises expected tokens per unit of time, E[accepted | k] / cost(tokens fed), from the measured cost
+curve and the running per-position acceptance rates.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from agent_mtp.engine.acceptance import expected_accepted
+
+CURVE_POINTS = (1, 2, 4, 8, 16, 32)
+
+
+@dataclass(frozen=True)
+class CostCurve:
+    """Relative cost of a forward pass by number of tokens fed (cost(1) == 1)."""
+
+    points: tuple[tuple[int, float], ...]
+
+    def __post_init__(self) -> None:
+        if not self.points or self.points[0][0] != 1:
+            raise ValueError("A cost curve needs a point at n=1.")
+
+    def cost(self, n: int) -> float:
+        xs = [p[0] for p in self.points]
+        ys = [p[1] for p in self.points]
+        if n <= xs[0]:
+            return ys[0]
+        if n >= xs[-1]:  # extrapolate linearly from the last segment
+            if len(xs) == 1:
+                return ys[0] * n
+            slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+            return ys[-1] + slope * (n - xs[-1])
+        i = bisect.bisect_left(xs, n)
+        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+        return y0 + (y1 - y0) * (n - x0) / (x1 - x0)
+
+    def to_json(self) -> str:
+        return json.dumps({"points": [list(p) for p in self.points]})
+
+    @classmethod
+    def from_json(cls, text: str) -> CostCurve:
+        data = json.loads(text)
+        return cls(tuple((int(n), float(c)) for n, c in data["points"]))
+
+    @classmethod
+    def flat(cls) -> CostCurve:
+        """A GPU-like curve: extra tokens are free."""
+        return cls(((1, 1.0), (64, 1.0)))
+
+
+def measure_cost_curve(
+    forward_n: Callable[[int], None], *, points: tuple[int, ...] = CURVE_POINTS, repeats: int = 3
+) -> CostCurve:
+    """Time ``forward_n(n)`` (one forward of n tokens on a cached prefix) and normalise by n=1."""
+    timings: dict[int, float] = {}
+    forward_n(1)  # warm-up
+    for n in points:
+        samples = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            forward_n(n)
+            samples.append(time.perf_counter() - start)
+        timings[n] = statistics.median(samples)
+    base = timings[1]
+    costs = [(n, max(timings[n] / base, 1.0 if n == 1 else 0.0)) for n in points]
+    # Cost can only grow with n; smooth timing noise so the chooser never sees a "free" larger k by accident.
+    monotone, best = [], 0.0
+    for n, c in costs:
+        best = max(best, c)
+        monotone.append((n, best))
+    return CostCurve(tuple(monotone))
+
+
+def load_or_measure(path: Path, measure: Callable[[], CostCurve]) -> CostCurve:
+    if path.is_file():
+        try:
+            return CostCurve.from_json(path.read_text())
+        except (ValueError, KeyError, json.JSONDecodeError):
+            pass
+    curve = measure()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(curve.to_json())
+    except OSError:
+        pass
+    return curve
+
+
+@dataclass
+class KChooser:
+    """Running per-position acceptance and the k that maximises expected tokens per second."""
+
+    curve: CostCurve
+    k_cap: int = 16
+    explore_every: int = 16
+    rates: list[float] = field(default_factory=list)
+    _passes: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.rates:
+            self.rates = [0.6] * (self.k_cap - 1)
+
+    def choose(self, fed_without_masks: int) -> int:
+        """k in [1, k_cap]: 1 NTP token + (k - 1) masks."""
+        self._passes += 1
+        if self.explore_every and self._passes % self.explore_every == 0:
+            return self.k_cap
+        gains = expected_accepted(self.rates)
+        best_k, best_value = 1, 0.0
+        for k in range(1, self.k_cap + 1):
+            value = gains[k - 1] / self.curve.cost(fed_without_masks + k - 1)
+            if value > best_value + 1e-9:
+                best_k, best_value = k, value
+        return best_k
+
+    def observe(self, proposed: int, accepted: int) -> None:
+        """``proposed`` positions beyond the first were offered, the first ``accepted`` of them were kept."""
+        for j in range(min(proposed, accepted + 1)):
+            if j >= len(self.rates):
+                break
+            hit = 1.0 if j < accepted else 0.0
+            self.rates[j] = 0.9 * self.rates[j] + 0.1 * hit

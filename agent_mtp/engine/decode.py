@@ -1,0 +1,336 @@
+"""The decode loop: one forward pass per iteration, k proposals per pass, acceptance by mode.
+
+Each pass feeds ``pending + draft + masks``:
+
+* ``pending``  accepted tokens not yet in the KV cache (the whole prompt on the first pass),
+* ``draft``    tokens proposed for verification (verified mode only: the previous pass's mask predictions, or a
+               prompt-lookup n-gram),
+* ``masks``    k - 1 mask tokens; the logits at the last real token predict token 1, the logits at mask j predict
+               token j + 1.
+
+After the pass, mask positions and rejected draft positions are cropped from the cache; the newly chosen tokens
+become ``pending`` for the next pass.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from agent_mtp.engine.acceptance import (
+    accept_or_resample,
+    confadapt_accept_length,
+    pick,
+    probabilities,
+)
+from agent_mtp.engine.config import DecodeConfig
+from agent_mtp.engine.constraints import TokenConstraint
+from agent_mtp.engine.cost import KChooser
+from agent_mtp.engine.drafts import Draft, MTPDraftSource, NgramDraftSource, choose_draft
+from agent_mtp.engine.results import DecodeStats, FinishReason, StreamChunk
+from agent_mtp.engine.runner import Runner
+from agent_mtp.engine.text import TextTracker
+
+
+@dataclass
+class DecodeSetup:
+    """What the loop needs to know about the model, beyond the config."""
+
+    mask_token_id: int
+    eos_token_ids: frozenset[int]
+    k_chooser: KChooser | None = None
+    """Required when ``k_max == "auto"``."""
+
+
+@dataclass
+class _PassResult:
+    new_tokens: list[int]
+    source: str
+    proposed_beyond_first: int = 0
+    accepted_beyond_first: int = 0
+
+
+@dataclass
+class _State:
+    pending: list[int]
+    context: list[int]
+    """prompt + everything accepted (for n-gram lookup)."""
+    out: list[int] = field(default_factory=list)
+    mtp: MTPDraftSource = field(default_factory=MTPDraftSource)
+    ngram: NgramDraftSource | None = None
+
+
+def decode(
+    runner: Runner,
+    prompt_ids: list[int],
+    cfg: DecodeConfig,
+    setup: DecodeSetup,
+    tracker: TextTracker,
+    *,
+    constraint: TokenConstraint | None = None,
+) -> Iterator[StreamChunk]:
+    """Yield one :class:`StreamChunk` per forward pass; the last carries finish_reason and stats."""
+    start = time.perf_counter()
+    stats = DecodeStats(mode=cfg.mode, prompt_tokens=len(prompt_ids))
+    generator = torch.Generator().manual_seed(cfg.seed) if cfg.seed is not None else None
+    state = _State(pending=list(prompt_ids), context=list(prompt_ids))
+    if cfg.mode == "verified" and "ngram" in cfg.drafts:
+        state.ngram = NgramDraftSource(cfg.ngram_max, cfg.ngram_draft_len)
+    finish: FinishReason | None = None
+    while finish is None:
+        if cfg.max_time is not None and stats.forward_passes and time.perf_counter() - start >= cfg.max_time:
+            finish = "timeout"
+            stats.new_tokens, stats.wall_s = len(state.out), time.perf_counter() - start
+            yield StreamChunk(text=tracker.finish(), token_ids=(), finish_reason="timeout", stats=stats)
+            return
+        result = _one_pass(runner, state, cfg, setup, cfg.max_new_tokens - len(state.out), constraint, generator, stats)
+        if stats.forward_passes == 1:
+            stats.prefill_s = stats.ttft_s = time.perf_counter() - start
+        count = len(result.new_tokens)
+        stats.accept_histogram[count] = stats.accept_histogram.get(count, 0) + 1
+        kept, finish, text = _append(state, result.new_tokens, cfg, setup, tracker, constraint)
+        if finish is None and constraint is not None:
+            jumped, finish, jumped_text = _jump_forward(state, cfg, setup, tracker, constraint)
+            stats.jump_forward_tokens += len(jumped)
+            kept, text = kept + jumped, text + jumped_text
+        if finish is None and cfg.max_time is not None and time.perf_counter() - start >= cfg.max_time:
+            finish = "timeout"
+        if finish is not None:
+            text += tracker.finish()
+        stats.new_tokens, stats.wall_s = len(state.out), time.perf_counter() - start
+        yield StreamChunk(
+            text=text,
+            token_ids=tuple(kept),
+            source=result.source,
+            finish_reason=finish,
+            stats=stats if finish is not None else None,
+        )
+
+
+def _one_pass(
+    runner: Runner,
+    state: _State,
+    cfg: DecodeConfig,
+    setup: DecodeSetup,
+    budget: int,
+    constraint: TokenConstraint | None,
+    generator: torch.Generator | None,
+    stats: DecodeStats,
+) -> _PassResult:
+    draft = _select_draft(state, cfg, budget) if cfg.mode == "verified" else None
+    draft_tokens = list(draft.tokens) if draft else []
+    k = _choose_k(cfg, setup, len(state.pending) + len(draft_tokens))
+    room = max(budget - 1 - len(draft_tokens), 0)
+    masks = min(k - 1, room)
+    feed = state.pending + draft_tokens + [setup.mask_token_id] * masks
+    keep = len(draft_tokens) + masks + 1
+    logits = runner.forward(feed, keep)  # [keep, V]: row 0 = last pending token
+    if setup.mask_token_id < logits.shape[-1]:
+        logits[:, setup.mask_token_id] = float("-inf")
+    stats.forward_passes += 1
+    stats.k_used[masks + 1] = stats.k_used.get(masks + 1, 0) + 1
+    if cfg.mode == "verified":
+        result = _verify(logits, draft, masks, state, cfg, constraint, generator, stats)
+        runner.drop(len(draft_tokens) - result.accepted_beyond_first + masks)
+        state.pending = [result.new_tokens[-1]] if result.new_tokens else []
+        if setup.k_chooser is not None and draft is not None and draft.source == "mtp":
+            setup.k_chooser.observe(result.proposed_beyond_first, result.accepted_beyond_first)
+    else:
+        result = _propose_and_accept(logits, masks, cfg, constraint, generator)
+        runner.drop(masks)
+        state.pending = list(result.new_tokens)
+    if setup.k_chooser is not None and cfg.mode != "verified":
+        setup.k_chooser.observe(result.proposed_beyond_first, result.accepted_beyond_first)
+    return result
+
+
+def _choose_k(cfg: DecodeConfig, setup: DecodeSetup, fed: int) -> int:
+    if cfg.mode == "ntp":
+        return 1
+    if cfg.k_max == "auto":
+        assert setup.k_chooser is not None, "k_max='auto' needs a KChooser"
+        return setup.k_chooser.choose(fed)
+    return int(cfg.k_max)
+
+
+def _select_draft(state: _State, cfg: DecodeConfig, budget: int) -> Draft | None:
+    max_len = budget - 1
+    candidates: list[Draft | None] = []
+    mtp = state.mtp.propose(state.context, max_len)
+    if "mtp" in cfg.drafts:
+        candidates.append(mtp)
+    if state.ngram is not None:
+        candidates.append(state.ngram.propose(state.context, max_len))
+    return choose_draft(candidates)
+
+
+def _masked_probs(
+    row: torch.Tensor, cfg: DecodeConfig, constraint: TokenConstraint | None
+) -> torch.Tensor:
+    if constraint is not None:
+        allowed = constraint.allowed_mask(row.shape[-1]).to(row.device)
+        row = row.masked_fill(~allowed, float("-inf"))
+    return probabilities(row, cfg.temperature, cfg.top_p)
+
+
+def _propose_and_accept(
+    logits: torch.Tensor,
+    masks: int,
+    cfg: DecodeConfig,
+    constraint: TokenConstraint | None,
+    generator: torch.Generator | None,
+) -> _PassResult:
+    """static / confadapt / ntp: token 1 from the last real position, tokens 2..k from the masks."""
+    first_probs = _masked_probs(logits[0], cfg, constraint)  # [V]
+    first = int(pick(first_probs[None], cfg.temperature, generator)[0])
+    if constraint is not None:
+        constraint.accept(first)
+    if masks == 0:
+        return _PassResult([first], "ntp")
+    rest_probs = probabilities(logits[1:], cfg.temperature, cfg.top_p)  # [masks, V]
+    rest = pick(rest_probs, cfg.temperature, generator).tolist()
+    valid = _grammar_prefix(rest, constraint)
+    if cfg.mode == "static":
+        accepted = 1 + valid
+    else:
+        top1 = torch.cat([first_probs.max()[None], rest_probs.max(-1).values])  # [1 + masks]
+        accepted = min(confadapt_accept_length(top1, cfg.threshold), 1 + valid)
+    if constraint is not None and valid > accepted - 1:
+        constraint.rollback(valid - (accepted - 1))
+    return _PassResult([first, *rest[: accepted - 1]], "mtp", masks, accepted - 1)
+
+
+def _grammar_prefix(tokens: list[int], constraint: TokenConstraint | None) -> int:
+    """Offer tokens to the constraint in order; return how many it accepted (the state keeps them)."""
+    if constraint is None:
+        return len(tokens)
+    for i, token in enumerate(tokens):
+        if constraint.is_terminated() or not constraint.accept(token):
+            return i
+    return len(tokens)
+
+
+def _verify(
+    logits: torch.Tensor,
+    draft: Draft | None,
+    masks: int,
+    state: _State,
+    cfg: DecodeConfig,
+    constraint: TokenConstraint | None,
+    generator: torch.Generator | None,
+    stats: DecodeStats,
+) -> _PassResult:
+    """Check the draft against the NTP logits at its positions; keep the matching prefix plus one model token."""
+    tokens = list(draft.tokens) if draft else []
+    accepted: list[int] = []
+    correction: int | None = None
+    for j, proposed in enumerate(tokens):
+        probs = _masked_probs(logits[j], cfg, constraint)
+        if cfg.temperature > 0:
+            ok, token = accept_or_resample(probs, proposed, generator)
+        else:
+            token = int(probs.argmax())
+            ok = token == proposed
+        if constraint is not None:
+            constraint.accept(token)
+        if not ok:
+            correction = token
+            break
+        accepted.append(token)
+        if constraint is not None and constraint.is_terminated():
+            correction = -1
+            break
+    if correction is None:
+        probs = _masked_probs(logits[len(tokens)], cfg, constraint)
+        correction = int(pick(probs[None], cfg.temperature, generator)[0])
+        if constraint is not None:
+            constraint.accept(correction)
+        _offer_mtp_draft(state, logits[len(tokens) + 1 : len(tokens) + 1 + masks], cfg, constraint)
+    else:
+        state.mtp.offer([], [])
+    new_tokens = accepted + ([correction] if correction >= 0 else [])
+    if draft is not None:
+        _record_draft(stats, draft, len(accepted))
+        if state.ngram is not None and draft.source == state.ngram.name:
+            state.ngram.update(draft, len(accepted))
+    source = draft.source if draft is not None and accepted else "ntp"
+    return _PassResult(new_tokens, source, len(tokens), len(accepted))
+
+
+def _offer_mtp_draft(
+    state: _State, mask_logits: torch.Tensor, cfg: DecodeConfig, constraint: TokenConstraint | None
+) -> None:
+    if "mtp" not in cfg.drafts or mask_logits.shape[0] == 0:
+        state.mtp.offer([], [])
+        return
+    probs = probabilities(mask_logits, 0.0, 1.0)  # [masks, V]: drafts are greedy; verification keeps exactness
+    top = probs.max(-1)
+    tokens = top.indices.tolist()
+    valid = _grammar_prefix(tokens, constraint)
+    if constraint is not None and valid:
+        constraint.rollback(valid)
+    state.mtp.offer(tokens[:valid], top.values[:valid].tolist())
+
+
+def _record_draft(stats: DecodeStats, draft: Draft, accepted: int) -> None:
+    entry = stats.draft_stats.setdefault(draft.source, {"passes": 0, "proposed": 0, "accepted": 0})
+    entry["passes"] += 1
+    entry["proposed"] += len(draft.tokens)
+    entry["accepted"] += accepted
+
+
+def _append(
+    state: _State,
+    tokens: list[int],
+    cfg: DecodeConfig,
+    setup: DecodeSetup,
+    tracker: TextTracker,
+    constraint: TokenConstraint | None,
+) -> tuple[list[int], FinishReason | None, str]:
+    """Add accepted tokens, honouring EOS, max_new_tokens and stop strings; return (kept, finish, text delta)."""
+    finish: FinishReason | None = None
+    kept: list[int] = []
+    stop_ids = setup.eos_token_ids | set(cfg.stop_token_ids)
+    for token in tokens:
+        kept.append(token)
+        if token in stop_ids:
+            finish = "stop"
+            break
+        if len(state.out) + len(kept) >= cfg.max_new_tokens:
+            finish = "length"
+            break
+    text_ids = [t for t in kept if t not in stop_ids]
+    delta, n_text_kept = tracker.extend(text_ids)
+    if tracker.stopped:
+        kept = text_ids[:n_text_kept]
+        finish = "stop"
+    state.out += kept
+    state.context += kept
+    if finish is None and constraint is not None and constraint.is_terminated():
+        finish = "stop"
+    return kept, finish, delta
+
+
+def _jump_forward(
+    state: _State,
+    cfg: DecodeConfig,
+    setup: DecodeSetup,
+    tracker: TextTracker,
+    constraint: TokenConstraint,
+) -> tuple[list[int], FinishReason | None, str]:
+    """Append the tokens the grammar forces, without a forward pass."""
+    forced = constraint.forced_tokens()[: max(cfg.max_new_tokens - len(state.out), 0)]
+    taken: list[int] = []
+    for token in forced:
+        if not constraint.accept(token):
+            break
+        taken.append(token)
+    if not taken:
+        return [], None, ""
+    kept, finish, delta = _append(state, taken, cfg, setup, tracker, constraint)
+    state.pending += kept
+    state.mtp.offer([], [])
+    return kept, finish, delta

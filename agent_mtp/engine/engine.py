@@ -1,0 +1,292 @@
+"""MTPEngine: a Hugging Face causal LM that decodes several tokens per forward pass."""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from agent_mtp.engine.adapter import MTPAdapter, load_adapter
+from agent_mtp.engine.config import DecodeConfig
+from agent_mtp.engine.constraints import TokenConstraint
+from agent_mtp.engine.cost import CostCurve, KChooser, load_or_measure, measure_cost_curve
+from agent_mtp.engine.decode import DecodeSetup, decode
+from agent_mtp.engine.loading import DEFAULT_MODEL_ALIASES, cache_root, load_model
+from agent_mtp.engine.results import GenerationResult, StreamChunk
+from agent_mtp.engine.runner import CachedRunner, ReferenceRunner, Runner
+from agent_mtp.engine.text import TextTracker
+from agent_mtp.errors import AdapterError, ConfigError, EmptyPromptError, PromptError, PromptTooLongError
+
+log = logging.getLogger("agent_mtp.engine")
+
+Prompt = str | Sequence[Mapping[str, Any]] | Sequence[int]
+SHIPPED_ADAPTERS = Path(__file__).resolve().parent.parent / "adapters"
+DEFAULT_ADAPTER_DIR = SHIPPED_ADAPTERS / "smollm2-135m-instruct"
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+class MTPEngine:
+    """Multi-token prediction on a local causal LM.
+
+    >>> engine = MTPEngine.from_pretrained("default")
+    >>> r = engine.generate("List three colours.", DecodeConfig(mode="verified", max_new_tokens=64))
+    >>> r.text, r.finish_reason, r.stats.tokens_per_forward
+
+    Thread-safe: generations on one engine are serialised by a lock (results equal sequential calls).
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        model_id: str,
+        mask_token: str,
+        mask_token_id: int,
+        adapter: MTPAdapter | None = None,
+        cost_curve: CostCurve | None = None,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.model_id = model_id
+        self.mask_token = mask_token
+        self.mask_token_id = mask_token_id
+        self.adapter = adapter
+        self._cost_curve = cost_curve
+        self._lock = threading.RLock()
+        self.eos_token_ids = _eos_ids(model, tokenizer)
+
+    # -- construction -----------------------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(
+        cls,
+        name_or_path: str = "default",
+        *,
+        adapter: str | Path | Literal["auto"] | None = "auto",
+        mask_token: str | None = None,
+        dtype: str | torch.dtype = "float32",
+        revision: str | None = None,
+        local_files_only: bool | None = None,
+        check_adapter_base: bool = True,
+    ) -> MTPEngine:
+        """Load ``"default"`` (the embedded SmolLM2-135M-Instruct + its shipped MTP adapter), a hub id, or a local
+        directory. ``adapter``: "auto" (the shipped adapter for the default model, or ``<dir>/mtp_adapter`` beside a
+        local model), a directory, or None for the bare model with an untrained mask token."""
+        torch_dtype = _dtype(dtype)
+        loaded = load_model(
+            name_or_path, dtype=torch_dtype, mask_token=mask_token, revision=revision, local_files_only=local_files_only
+        )
+        adapter_dir = _adapter_dir(name_or_path, adapter)
+        mtp_adapter = None
+        if adapter_dir is not None:
+            mtp_adapter = load_adapter(
+                loaded.model, adapter_dir, mask_token_id=loaded.mask_token_id, check_base=check_adapter_base
+            )
+            if mtp_adapter.config.mask_token != loaded.mask_token:
+                msg = f"{adapter_dir}: adapter uses mask token {mtp_adapter.config.mask_token!r}, model has {loaded.mask_token!r}."
+                raise AdapterError(msg + f" Pass mask_token={mtp_adapter.config.mask_token!r}.")
+        return cls(
+            loaded.model,
+            loaded.tokenizer,
+            model_id=loaded.model_id,
+            mask_token=loaded.mask_token,
+            mask_token_id=loaded.mask_token_id,
+            adapter=mtp_adapter,
+        )
+
+    # -- prompts ------------------------------------------------------------------------------------------------
+    @property
+    def context_window(self) -> int:
+        return int(getattr(self.model.config, "max_position_embeddings", 2048))
+
+    def encode_prompt(self, prompt: Prompt) -> list[int]:
+        """Token ids of a prompt: token ids pass through; a string becomes one user message and a list of
+        {"role", "content"} dicts a conversation, both rendered with the chat template (plain text without one)."""
+        if isinstance(prompt, str):
+            if not prompt.strip():
+                raise EmptyPromptError("The prompt is empty; pass some text, messages or token ids.")
+            return self._render([{"role": "user", "content": prompt}])
+        items = list(prompt)
+        if not items:
+            raise EmptyPromptError("The prompt is empty; pass some text, messages or token ids.")
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in items):
+            return self._check_ids([int(t) for t in items])  # type: ignore[arg-type]
+        if all(isinstance(m, Mapping) for m in items):
+            return self._render(items)  # type: ignore[arg-type]
+        raise PromptError(
+            "A prompt is a string, a list of {'role': ..., 'content': ...} messages, or a list of token ids; "
+            f"got a list of {sorted({type(x).__name__ for x in items})}."
+        )
+
+    def _render(self, messages: list[Mapping[str, Any]]) -> list[int]:
+        for i, m in enumerate(messages):
+            if "role" not in m or "content" not in m:
+                raise PromptError(f"Message {i} needs 'role' and 'content' keys; got {sorted(m)}.")
+        if getattr(self.tokenizer, "chat_template", None):
+            ids = self.tokenizer.apply_chat_template(
+                [dict(m) for m in messages], add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+            if isinstance(ids, Mapping):
+                ids = ids["input_ids"]
+        else:
+            text = "\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\nassistant:"
+            ids = self.tokenizer(text, add_special_tokens=True)["input_ids"]
+        return self._check_ids(list(ids))
+
+    def _check_ids(self, ids: list[int]) -> list[int]:
+        if not ids:
+            raise EmptyPromptError("The prompt encodes to zero tokens.")
+        vocab = self.model.get_input_embeddings().weight.shape[0]
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise PromptError(f"Token ids {bad[:5]} are outside the vocabulary [0, {vocab}).")
+        if self.mask_token_id in ids:
+            raise PromptError(f"The prompt contains the mask token {self.mask_token!r}; it is reserved for MTP.")
+        if len(ids) >= self.context_window:
+            msg = (
+                f"The prompt has {len(ids)} tokens but the model's context window is {self.context_window}; "
+                "shorten the prompt (drop old messages or tool results)."
+            )
+            raise PromptTooLongError(msg, prompt_tokens=len(ids), context_window=self.context_window)
+        return ids
+
+    def count_tokens(self, text: str) -> int:
+        return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def decode_tokens(self, ids: Sequence[int]) -> str:
+        return str(self.tokenizer.decode(list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False))
+
+    # -- generation -----------------------------------------------------------------------------------------
+    def stream(
+        self,
+        prompt: Prompt,
+        config: DecodeConfig | None = None,
+        *,
+        constraint: TokenConstraint | None = None,
+        _reference: bool = False,
+    ) -> Iterator[StreamChunk]:
+        """Yield one chunk per forward pass; the last chunk has ``finish_reason`` and ``stats``."""
+        cfg = config or DecodeConfig()
+        ids = self.encode_prompt(prompt)
+        cfg = self._fit_to_context(cfg, len(ids))
+        setup = DecodeSetup(self.mask_token_id, self.eos_token_ids, self._k_chooser(cfg))
+        with self._lock:
+            runner: Runner = ReferenceRunner(self.model) if _reference else CachedRunner(self.model)
+            tracker = TextTracker(self.tokenizer, cfg.stop)
+            yield from decode(runner, ids, cfg, setup, tracker, constraint=constraint)
+
+    def generate(
+        self,
+        prompt: Prompt,
+        config: DecodeConfig | None = None,
+        *,
+        constraint: TokenConstraint | None = None,
+        _reference: bool = False,
+    ) -> GenerationResult:
+        """Decode to the end and return text, token ids, finish reason and stats."""
+        text: list[str] = []
+        ids: list[int] = []
+        last: StreamChunk | None = None
+        for chunk in self.stream(prompt, config, constraint=constraint, _reference=_reference):
+            text.append(chunk.text)
+            ids += chunk.token_ids
+            last = chunk
+        assert last is not None and last.stats is not None and last.finish_reason is not None
+        return GenerationResult("".join(text), ids, last.finish_reason, last.stats)
+
+    def _fit_to_context(self, cfg: DecodeConfig, prompt_len: int) -> DecodeConfig:
+        k = 64 if cfg.k_max == "auto" else int(cfg.k_max)
+        room = self.context_window - prompt_len - k - (cfg.ngram_draft_len if cfg.mode == "verified" else 0)
+        if room < 1:
+            msg = (
+                f"The prompt has {prompt_len} tokens; with room for k_max={cfg.k_max} proposals it exceeds the "
+                f"context window of {self.context_window}. Shorten the prompt or lower k_max."
+            )
+            raise PromptTooLongError(msg, prompt_tokens=prompt_len, context_window=self.context_window)
+        return cfg.replace(max_new_tokens=room) if cfg.max_new_tokens > room else cfg
+
+    # -- scoring (the exact NTP path) -----------------------------------------------------------------------
+    @torch.no_grad()
+    def score(self, prompt_ids: Sequence[int], continuation_ids: Sequence[int]) -> list[float]:
+        """Log-probabilities of ``continuation_ids`` under the base model (teacher forcing, one pass)."""
+        if not continuation_ids:
+            return []
+        ids = self._check_ids([*prompt_ids, *continuation_ids][:-1])
+        with self._lock:
+            logits = self.model(
+                input_ids=torch.tensor([ids], device=self.model.device), logits_to_keep=len(continuation_ids)
+            ).logits[0].float()
+        logp = torch.log_softmax(logits, -1)
+        target = torch.tensor(list(continuation_ids), device=logp.device)
+        return logp.gather(-1, target[:, None]).squeeze(-1).tolist()
+
+    # -- cost-aware k -----------------------------------------------------------------------------------------
+    @property
+    def cost_curve(self) -> CostCurve:
+        """Relative cost of an n-token forward on this machine, measured once and cached on disk."""
+        if self._cost_curve is None:
+            with self._lock:
+                self._cost_curve = load_or_measure(self._cost_curve_path(), self._measure_cost_curve)
+        return self._cost_curve
+
+    def set_cost_curve(self, curve: CostCurve) -> None:
+        self._cost_curve = curve
+
+    def _k_chooser(self, cfg: DecodeConfig) -> KChooser | None:
+        return KChooser(self.cost_curve) if cfg.k_max == "auto" and cfg.mode != "ntp" else None
+
+    def _cost_curve_path(self) -> Path:
+        device = str(self.model.device).replace(":", "")
+        slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", self.model_id)
+        dtype = str(self.model.dtype).replace("torch.", "")
+        return cache_root() / "cost_curves" / f"{slug}-{device}-{dtype}-t{torch.get_num_threads()}.json"
+
+    def _measure_cost_curve(self) -> CostCurve:
+        log.info("Measuring the forward cost curve of %s (once per machine)", self.model_id)
+        prefix = [int(t) for t in torch.randint(3, 1000, (64,), generator=torch.Generator().manual_seed(0))]
+        runner = CachedRunner(self.model)
+        runner.forward(prefix, 1)
+
+        def forward_n(n: int) -> None:
+            runner.forward([self.mask_token_id] * n, 1)
+            runner.drop(n)
+
+        return measure_cost_curve(forward_n)
+
+
+def _dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ConfigError(f"dtype={dtype!r} is not supported; use one of {sorted(DTYPES)}.")
+    return DTYPES[dtype]
+
+
+def _adapter_dir(name_or_path: str, adapter: str | Path | None) -> Path | None:
+    if adapter is None:
+        return None
+    if adapter != "auto":
+        path = Path(adapter)
+        if not path.is_dir():
+            raise AdapterError(f"adapter={str(adapter)!r} is not a directory; pass an adapter directory or None.")
+        return path
+    if name_or_path.lower() in DEFAULT_MODEL_ALIASES:
+        return DEFAULT_ADAPTER_DIR if (DEFAULT_ADAPTER_DIR / "adapter_config.json").is_file() else None
+    beside = Path(name_or_path) / "mtp_adapter"
+    return beside if (beside / "adapter_config.json").is_file() else None
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
+        value = getattr(source, "eos_token_id", None)
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    return frozenset(ids)

@@ -1,0 +1,229 @@
+"""Telemetry settings, the one place that reads the environment, URL redaction and key-part validation.
+
+Environment (read only by :func:`load_env`):
+
+    AGENT_MTP_REDIS_URL              redis://[user:password@]host:port/db, rediss://... (TLS) or unix:///path
+    AGENT_MTP_TELEMETRY_NAMESPACE    key namespace shared by every worker of one fleet (default ``agent_mtp``)
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+from urllib.parse import SplitResult, unquote, urlsplit, urlunsplit
+
+from agent_mtp.errors import TelemetryError
+
+ENV_REDIS_URL = "AGENT_MTP_REDIS_URL"
+ENV_NAMESPACE = "AGENT_MTP_TELEMETRY_NAMESPACE"
+
+BUCKET_S = 10
+"""Width of one time bucket in seconds. Fixed so that every writer and reader of a namespace agree on the keys."""
+
+WINDOWS: dict[str, int] = {"1m": 60, "5m": 300, "1h": 3600}
+"""The named windows of the dashboard; :func:`parse_window` also accepts other ``<n>s|m|h`` values."""
+
+_URL_SCHEMES = ("redis", "rediss", "unix")
+_KEY_PART = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-/]{0,127}")
+_NAMESPACE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}")
+_WINDOW = re.compile(r"([1-9][0-9]*)([smh])")
+
+INVALID_PART = "_invalid_"
+"""Stands in for a key part from an event that failed validation (the event is still counted)."""
+OVERFLOW_PART = "_overflow_"
+"""Stands in for series beyond ``max_series_per_bucket`` (the event is still counted)."""
+NO_MODE = "-"
+"""Mode part of the series that hold interventions (they belong to a run, not to a decode mode)."""
+
+
+@dataclass(frozen=True)
+class TelemetryConfig:
+    """How a :class:`~agent_mtp.telemetry.Telemetry` recorder buffers, flushes and names its data."""
+
+    redis_url: str | None = field(default=None, repr=False)
+    """Redis to write to; ``None`` keeps telemetry in memory. Never shown in reprs or logs with its password."""
+    namespace: str = "agent_mtp"
+    """Prefix shared by all workers of one fleet; readers must use the same one."""
+    flush_interval_s: float = 2.0
+    """Seconds between two background flushes."""
+    retention_s: int = 7200
+    """TTL of every bucket key in Redis (and how long the in-memory store keeps buckets)."""
+    max_backlog_buckets: int = 5000
+    """Most (time bucket x series) aggregates kept while Redis is unreachable; older ones are dropped and counted."""
+    max_series_per_bucket: int = 512
+    """Most distinct (model, step type, mode) series per time bucket and process; extra ones go to ``_overflow_``."""
+    socket_timeout_s: float = 1.0
+    """Connect and read timeout of the Redis client built from ``redis_url`` (bounds one flush attempt)."""
+    dedupe_ttl_s: int = 86400
+    """How long Redis remembers a flush id; a retry of a batch is recognised as a duplicate within this time."""
+    intervention_log_size: int = 1000
+    """Most recent interventions kept in the Redis list shown by the dashboard."""
+
+    def __post_init__(self) -> None:
+        validate_namespace(self.namespace)
+        if self.redis_url is not None:
+            validate_redis_url(self.redis_url)
+        _require_positive("flush_interval_s", self.flush_interval_s)
+        _require_positive("socket_timeout_s", self.socket_timeout_s)
+        if self.retention_s < max(WINDOWS.values()) + BUCKET_S:
+            msg = f"retention_s={self.retention_s} is shorter than the 1h window; use at least 3610"
+            raise TelemetryError(msg)
+        for name in ("max_backlog_buckets", "max_series_per_bucket", "dedupe_ttl_s", "intervention_log_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                msg = f"{name}={value!r} must be a positive integer"
+                raise TelemetryError(msg)
+        if self.dedupe_ttl_s < self.retention_s:
+            msg = f"dedupe_ttl_s={self.dedupe_ttl_s} must be >= retention_s={self.retention_s} for idempotent retries"
+            raise TelemetryError(msg)
+
+    def __repr__(self) -> str:
+        url = redact_url(self.redis_url) if self.redis_url else None
+        return (
+            f"TelemetryConfig(redis_url={url!r}, namespace={self.namespace!r}, "
+            f"flush_interval_s={self.flush_interval_s}, retention_s={self.retention_s}, "
+            f"max_backlog_buckets={self.max_backlog_buckets})"
+        )
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> TelemetryConfig:
+        """Settings from ``AGENT_MTP_REDIS_URL`` / ``AGENT_MTP_TELEMETRY_NAMESPACE``; keyword overrides win."""
+        values: dict[str, Any] = dict(load_env(environ))
+        values.update(overrides)
+        return cls(**values)
+
+    def with_overrides(self, **overrides: Any) -> TelemetryConfig:
+        return replace(self, **overrides)
+
+
+def load_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The only function in agent_mtp.telemetry that reads the environment."""
+    env = os.environ if environ is None else environ
+    values: dict[str, str] = {}
+    url = env.get(ENV_REDIS_URL, "").strip()
+    if url:
+        values["redis_url"] = url
+    namespace = env.get(ENV_NAMESPACE, "").strip()
+    if namespace:
+        values["namespace"] = namespace
+    return values
+
+
+def _require_positive(name: str, value: float) -> None:
+    if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        msg = f"{name}={value!r} must be a positive number of seconds"
+        raise TelemetryError(msg)
+
+
+def _split(url: str) -> SplitResult:
+    try:
+        parts = urlsplit(url)
+        _ = parts.port  # raises ValueError on a bad port
+    except ValueError as e:
+        msg = f"cannot parse the Redis URL {redact_url(url)!r}: {e}; expected redis://[user:password@]host:port/db"
+        raise TelemetryError(msg) from None
+    return parts
+
+
+def validate_redis_url(url: str) -> None:
+    """Raise :class:`TelemetryError` (with the password redacted) unless ``url`` is a usable Redis URL."""
+    if not isinstance(url, str):
+        msg = f"the Redis URL must be a string, got {type(url).__name__}"
+        raise TelemetryError(msg)
+    parts = _split(url)
+    if parts.scheme not in _URL_SCHEMES:
+        msg = (
+            f"unsupported Redis URL scheme {parts.scheme!r} in {redact_url(url)!r}; "
+            "use redis:// , rediss:// (TLS) or unix://"
+        )
+        raise TelemetryError(msg)
+    if parts.scheme != "unix" and not parts.hostname:
+        msg = f"the Redis URL {redact_url(url)!r} has no host; expected redis://host:port/db"
+        raise TelemetryError(msg)
+
+
+def redact_url(url: str) -> str:
+    """``url`` with its password (and any ``password=`` query value) replaced by ``***``."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparseable Redis URL>"
+    netloc = parts.netloc
+    if "@" in netloc:
+        userinfo, _, hostport = netloc.rpartition("@")
+        user, has_password, _ = userinfo.partition(":")
+        # A lone userinfo (redis://secret@host) is hidden too: people put passwords there by mistake.
+        netloc = f"{user}:***@{hostport}" if has_password else f"***@{hostport}"
+    query = re.sub(r"(?i)(password=)[^&]*", r"\1***", parts.query)
+    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+
+
+def url_secrets(url: str | None) -> tuple[str, ...]:
+    """The secret strings in ``url`` (password, lone userinfo, ``password=`` values) for scrubbing messages."""
+    if not url:
+        return ()
+    secrets: list[str] = []
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return (url,)
+    if parts.password:
+        secrets.append(parts.password)
+    elif parts.username:
+        secrets.append(parts.username)
+    secrets.extend(re.findall(r"(?i)password=([^&]*)", parts.query))
+    secrets.extend([unquote(s) for s in secrets])
+    return tuple(s for s in dict.fromkeys(secrets) if s)
+
+
+def scrub(text: str, secrets: tuple[str, ...]) -> str:
+    """``text`` with every secret replaced by ``***`` (for exception messages that might echo a URL)."""
+    for secret in secrets:
+        text = text.replace(secret, "***")
+    return text
+
+
+def is_valid_key_part(value: object) -> bool:
+    return isinstance(value, str) and _KEY_PART.fullmatch(value) is not None
+
+
+def validate_key_part(kind: str, value: object) -> str:
+    """Return ``value`` if it may appear in a Redis key, else raise :class:`TelemetryError` naming it."""
+    if not is_valid_key_part(value):
+        msg = (
+            f"invalid telemetry {kind} {value!r}: use 1-128 characters from A-Z a-z 0-9 _ . - / "
+            "starting with a letter or digit"
+        )
+        raise TelemetryError(msg)
+    assert isinstance(value, str)
+    return value
+
+
+def validate_namespace(value: object) -> str:
+    if not isinstance(value, str) or _NAMESPACE.fullmatch(value) is None:
+        msg = (
+            f"invalid telemetry namespace {value!r}: use 1-64 characters from A-Z a-z 0-9 _ . - "
+            "starting with a letter or digit"
+        )
+        raise TelemetryError(msg)
+    return value
+
+
+def parse_window(window: str | int) -> int:
+    """Window length in seconds from ``"1m"``, ``"5m"``, ``"1h"`` (or ``"<n>s|m|h"``, or an int of seconds)."""
+    if isinstance(window, int) and not isinstance(window, bool):
+        seconds = window
+    else:
+        match = _WINDOW.fullmatch(str(window).strip())
+        if match is None:
+            msg = f"invalid window {window!r}: use one of {', '.join(WINDOWS)} (or <n>s, <n>m, <n>h)"
+            raise TelemetryError(msg)
+        seconds = int(match.group(1)) * {"s": 1, "m": 60, "h": 3600}[match.group(2)]
+    if seconds < BUCKET_S or seconds > 24 * 3600:
+        msg = f"window of {seconds} s is out of range: use between {BUCKET_S} s and 24h"
+        raise TelemetryError(msg)
+    return seconds

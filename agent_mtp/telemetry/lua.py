@@ -1,0 +1,47 @@
+"""The Lua script that applies one flush batch atomically and at most once per flush id (Redis 7, no modules).
+
+KEYS[1] flush-id marker, KEYS[2] health hash, KEYS[3] writers set, KEYS[4] recent-interventions list,
+KEYS[3 + 2i] / KEYS[4 + 2i] series hash / bucket index set of series i (1-based).
+ARGV[1] marker TTL, ARGV[2] bucket TTL, ARGV[3] writer id, ARGV[4] intervention list size,
+ARGV[5] JSON {"health": {field: "n"}, "notes": ["json", ...], "series": [{"m": member, "i": {f: "n"}, "f": {f: "x"}}]}.
+Numbers travel as strings so Lua never reformats them (Lua 5.1 prints 1e15 as "1e+15", which HINCRBY rejects).
+
+The marker is set first: if a later command failed (a foreign key of the wrong type), a retry is still a no-op, so
+a batch is never applied twice. Returns 1 when applied, 0 when the flush id was seen before.
+"""
+
+from __future__ import annotations
+
+FLUSH_SCRIPT = """
+if not redis.call('SET', KEYS[1], '1', 'NX', 'EX', ARGV[1]) then
+  return 0
+end
+local ttl = tonumber(ARGV[2])
+local batch = cjson.decode(ARGV[5])
+for name, value in pairs(batch.health) do
+  redis.call('HINCRBY', KEYS[2], name, value)
+end
+redis.call('EXPIRE', KEYS[2], ttl)
+redis.call('SADD', KEYS[3], ARGV[3])
+redis.call('EXPIRE', KEYS[3], ttl)
+if #batch.notes > 0 then
+  for _, note in ipairs(batch.notes) do
+    redis.call('LPUSH', KEYS[4], note)
+  end
+  redis.call('LTRIM', KEYS[4], 0, tonumber(ARGV[4]) - 1)
+  redis.call('EXPIRE', KEYS[4], ttl)
+end
+for i, series in ipairs(batch.series) do
+  local hash, index = KEYS[3 + 2 * i], KEYS[4 + 2 * i]
+  for name, value in pairs(series.i) do
+    redis.call('HINCRBY', hash, name, value)
+  end
+  for name, value in pairs(series.f) do
+    redis.call('HINCRBYFLOAT', hash, name, value)
+  end
+  redis.call('EXPIRE', hash, ttl)
+  redis.call('SADD', index, series.m)
+  redis.call('EXPIRE', index, ttl)
+end
+return 1
+"""
