@@ -9,4 +9,4 @@ import torch
 # Tests must not fight each other (or a background job) for the 2 cores.
 torch.set_num_threads(int(os.environ.get("AGENT_MTP_TEST_THREADS", "1")))
 
-pytest_plugins: list[str] = []
+pytest_plugins: list[str] = ["tests.fixtures.redis_server"]
