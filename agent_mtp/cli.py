@@ -1,0 +1,243 @@
+"""The `agent-mtp` command line: generate, demo, bench, and the commands each part registers."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from agent_mtp.errors import AgentMTPError
+
+app = typer.Typer(help="agent-mtp: multi-token prediction for agents on local models.", no_args_is_help=True)
+console = Console(stderr=True)
+out = Console()
+
+# Parts register their own commands (kept out of this module so it stays small).
+PART_CLIS = ("agent_mtp.policy.cli", "agent_mtp.telemetry.cli", "agent_mtp.training.cli", "agent_mtp.bench.cli")
+
+
+def _set_threads(threads: int | None) -> None:
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
+
+
+def _load_engine(model: str, adapter: str | None, dtype: str) -> Any:
+    from transformers.utils import logging as hf_logging
+
+    from agent_mtp.engine import MTPEngine
+
+    hf_logging.disable_progress_bar()
+    with console.status(f"Loading {model} ..."):
+        return MTPEngine.from_pretrained(model, adapter="auto" if adapter is None else (None if adapter == "none" else adapter), dtype=dtype)
+
+
+ModelOpt = Annotated[str, typer.Option(help='"default", a hub id or a local directory.')]
+AdapterOpt = Annotated[str | None, typer.Option(help='MTP adapter dir, "none", or omit for the shipped one.')]
+DtypeOpt = Annotated[str, typer.Option(help="float32 or bfloat16.")]
+ThreadsOpt = Annotated[int | None, typer.Option(help="torch threads (default: torch's choice).")]
+
+
+@app.command()
+def generate(
+    prompt: Annotated[str, typer.Argument(help="User message (rendered with the chat template).")],
+    mode: Annotated[str, typer.Option(help="ntp | static | confadapt | verified")] = "verified",
+    threshold: float = 0.9,
+    k_max: Annotated[str, typer.Option("--k-max", help='int or "auto"')] = "8",
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens")] = 128,
+    temperature: float = 0.0,
+    top_p: Annotated[float, typer.Option("--top-p")] = 1.0,
+    stop: Annotated[list[str] | None, typer.Option(help="Stop string (repeatable).")] = None,
+    max_time: Annotated[float | None, typer.Option("--max-time", help="Seconds.")] = None,
+    seed: int | None = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print {text, token_ids, finish_reason, stats}.")] = False,
+    model: ModelOpt = "default",
+    adapter: AdapterOpt = None,
+    dtype: DtypeOpt = "float32",
+    threads: ThreadsOpt = None,
+) -> None:
+    """Generate one answer and print it (or the stable JSON object with --json)."""
+    from agent_mtp.engine import DecodeConfig
+
+    _set_threads(threads)
+    cfg = DecodeConfig(
+        mode=mode,  # type: ignore[arg-type]
+        threshold=threshold,
+        k_max="auto" if k_max == "auto" else _int_option("--k-max", k_max),
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        stop=tuple(stop or ()),
+        max_time=max_time,
+        seed=seed,
+    )
+    engine = _load_engine(model, adapter, dtype)
+    if as_json:
+        out.print_json(json.dumps(engine.generate(prompt, cfg).to_dict()))
+        return
+    last = None
+    for chunk in engine.stream(prompt, cfg):
+        sys.stdout.write(chunk.text)
+        sys.stdout.flush()
+        last = chunk
+    sys.stdout.write("\n")
+    if last is not None and last.stats is not None:
+        s = last.stats
+        console.print(
+            f"[dim]{s.new_tokens} tokens, {s.forward_passes} passes, {s.tokens_per_forward:.2f} tokens/forward, "
+            f"{s.tokens_per_second:.1f} tokens/s, finish={last.finish_reason}[/dim]"
+        )
+
+
+DEMO_PROMPTS = (
+    ("tool call (JSON)", "tool-weather"),
+    ("reasoning step", "reason-math"),
+    ("formatted list", "format-list"),
+)
+
+
+@app.command()
+def demo(
+    model: ModelOpt = "default",
+    adapter: AdapterOpt = None,
+    dtype: DtypeOpt = "float32",
+    threads: ThreadsOpt = None,
+    threshold: float = 0.9,
+    k_max: Annotated[int, typer.Option("--k-max")] = 8,
+) -> None:
+    """Agent-like prompts in NTP and MTP modes side by side: tokens/forward, tokens/s, speedup, exactness."""
+    from agent_mtp.bench.core import Variant, load_suite, run_once
+    from agent_mtp.engine import DecodeConfig
+
+    _set_threads(threads)
+    engine = _load_engine(model, adapter, dtype)
+    prompts = {p.id: p for p in load_suite("quick")}
+    variants = [
+        Variant("ntp", DecodeConfig(mode="ntp")),
+        Variant("verified (lossless)", DecodeConfig(mode="verified", k_max=k_max)),
+        Variant(f"confadapt tau={threshold:g}", DecodeConfig(mode="confadapt", threshold=threshold, k_max=k_max)),
+    ]
+    adapter_name = "shipped MTP adapter" if engine.adapter is not None else "no adapter (untrained mask)"
+    console.print(f"[bold]{engine.model_id}[/bold] with {adapter_name}, {dtype}, {_threads()} threads")
+    run_once(engine, variants[0], next(iter(prompts.values())))  # warm-up
+    table = Table(title="agent-mtp demo: NTP vs MTP on agent-like steps")
+    for col in ("step", "mode", "tokens", "tokens/forward", "tokens/s", "speedup", "same as NTP"):
+        table.add_column(col, justify="right" if col not in ("step", "mode") else "left")
+    for label, prompt_id in DEMO_PROMPTS:
+        prompt = prompts[prompt_id]
+        runs = [run_once(engine, v, prompt) for v in variants]
+        ntp_rate = len(runs[0].token_ids) / runs[0].wall_s
+        for variant, run in zip(variants, runs, strict=True):
+            rate = len(run.token_ids) / run.wall_s
+            same = "yes" if run.token_ids == runs[0].token_ids else "no"
+            table.add_row(
+                label if variant is variants[0] else "",
+                variant.name,
+                str(len(run.token_ids)),
+                f"{len(run.token_ids) / max(run.forward_passes, 1):.2f}",
+                f"{rate:.1f}",
+                f"{rate / ntp_rate:.2f}x",
+                "-" if variant is variants[0] else same,
+            )
+        out.print(f"\n[bold]{label}[/bold]: {engine.decode_tokens(runs[1].token_ids).strip()[:300]}")
+    out.print(table)
+
+
+@app.command()
+def bench(
+    suite: Annotated[str, typer.Option(help="Shipped suite name or a .jsonl path.")] = "quick",
+    thresholds: Annotated[str, typer.Option(help="Comma-separated ConfAdapt thresholds.")] = "0.9",
+    k_max: Annotated[int, typer.Option("--k-max")] = 8,
+    repeats: int = 1,
+    json_out: Annotated[Path | None, typer.Option("--json-out", help="Write the full report as JSON.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON instead of a table.")] = False,
+    model: ModelOpt = "default",
+    adapter: AdapterOpt = None,
+    dtype: DtypeOpt = "float32",
+    threads: ThreadsOpt = None,
+) -> None:
+    """HF generate, engine ntp, confadapt and verified side by side: tokens/s, tokens/forward, ratios to HF."""
+    from rich.progress import Progress
+
+    from agent_mtp.bench.core import default_variants, load_suite, run_bench
+
+    _set_threads(threads)
+    engine = _load_engine(model, adapter, dtype)
+    prompts = load_suite(suite)
+    taus = [float(t) for t in thresholds.split(",") if t.strip()]
+    variants = default_variants(thresholds=taus, k_max=k_max)
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("benchmarking", total=len(prompts) * len(variants) * repeats)
+        report = run_bench(engine, prompts, variants, repeats=repeats, on_run=lambda _: progress.advance(task))
+    if json_out:
+        json_out.write_text(json.dumps(report.to_dict(), indent=2))
+    if as_json:
+        out.print_json(json.dumps({"machine": report.machine, "summaries": report.to_dict()["summaries"]}))
+        return
+    table = Table(title=f"agent-mtp bench: suite={suite}, {len(prompts)} prompts x {repeats}, {_threads()} threads")
+    for col in ("variant", "tokens", "tokens/s", "tokens/forward", "x HF generate", "TTFT s", "P50 s", "P95 s", "= NTP"):
+        table.add_column(col, justify="left" if col == "variant" else "right")
+    for s in report.summaries:
+        table.add_row(
+            s.variant,
+            str(s.tokens),
+            f"{s.tokens_per_s:.1f}",
+            f"{s.tokens_per_forward:.2f}",
+            f"{s.speedup_vs_hf:.2f}",
+            f"{s.ttft_s:.3f}",
+            f"{s.p50_latency_s:.2f}",
+            f"{s.p95_latency_s:.2f}",
+            f"{s.ntp_match:.0%}",
+        )
+    out.print(table)
+
+
+def _threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def _int_option(name: str, value: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise typer.BadParameter(f'{name} must be an int or "auto", got {value!r}') from None
+
+
+def _register_parts() -> None:
+    for module_name in PART_CLIS:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as e:
+            if e.name and module_name.startswith(e.name):
+                continue
+            raise
+        register = getattr(module, "register", None)
+        if register is not None:
+            register(app)
+
+
+_register_parts()
+
+
+def main() -> None:
+    logging.basicConfig(level=os.environ.get("AGENT_MTP_LOG_LEVEL", "WARNING"))
+    try:
+        app()
+    except AgentMTPError as e:
+        console.print(f"[red]error:[/red] {e}")
+        raise SystemExit(2) from e
+
+
+if __name__ == "__main__":
+    main()
