@@ -30,6 +30,7 @@ from agent_mtp.engine.config import DecodeConfig
 from agent_mtp.engine.constraints import TokenConstraint
 from agent_mtp.engine.cost import KChooser
 from agent_mtp.engine.drafts import Draft, MTPDraftSource, NgramDraftSource, choose_draft
+from agent_mtp.engine.planner import VerifyPlanner
 from agent_mtp.engine.results import DecodeStats, FinishReason, StreamChunk
 from agent_mtp.engine.runner import Runner
 from agent_mtp.engine.text import TextTracker
@@ -42,7 +43,9 @@ class DecodeSetup:
     mask_token_id: int
     eos_token_ids: frozenset[int]
     k_chooser: KChooser | None = None
-    """Required when ``k_max == "auto"``."""
+    """Required when ``k_max == "auto"`` (static / confadapt)."""
+    planner: VerifyPlanner | None = None
+    """Cost-aware choice of draft and masks in verified mode (None: best draft + k_max - 1 masks)."""
 
 
 @dataclass
@@ -120,11 +123,14 @@ def _one_pass(
     generator: torch.Generator | None,
     stats: DecodeStats,
 ) -> _PassResult:
-    draft = _select_draft(state, cfg, budget) if cfg.mode == "verified" else None
-    draft_tokens = list(draft.tokens) if draft else []
-    k = _choose_k(cfg, setup, len(state.pending) + len(draft_tokens))
-    room = max(budget - 1 - len(draft_tokens), 0)
-    masks = min(k - 1, room)
+    if cfg.mode == "verified" and setup.planner is not None:
+        draft, masks = setup.planner.plan(len(state.pending), _draft_candidates(state, cfg, budget), budget - 1)
+        draft_tokens = list(draft.tokens) if draft else []
+    else:
+        draft = _select_draft(state, cfg, budget) if cfg.mode == "verified" else None
+        draft_tokens = list(draft.tokens) if draft else []
+        k = _choose_k(cfg, setup, len(state.pending) + len(draft_tokens))
+        masks = min(k - 1, max(budget - 1 - len(draft_tokens), 0))
     feed = state.pending + draft_tokens + [setup.mask_token_id] * masks
     keep = len(draft_tokens) + masks + 1
     logits = runner.forward(feed, keep)  # [keep, V]: row 0 = last pending token
@@ -136,8 +142,8 @@ def _one_pass(
         result = _verify(logits, draft, masks, state, cfg, constraint, generator, stats)
         runner.drop(len(draft_tokens) - result.accepted_beyond_first + masks)
         state.pending = [result.new_tokens[-1]] if result.new_tokens else []
-        if setup.k_chooser is not None and draft is not None and draft.source == "mtp":
-            setup.k_chooser.observe(result.proposed_beyond_first, result.accepted_beyond_first)
+        if setup.planner is not None and draft is not None:
+            setup.planner.observe(draft, result.accepted_beyond_first)
     else:
         result = _propose_and_accept(logits, masks, cfg, constraint, generator)
         runner.drop(masks)
@@ -156,7 +162,7 @@ def _choose_k(cfg: DecodeConfig, setup: DecodeSetup, fed: int) -> int:
     return int(cfg.k_max)
 
 
-def _select_draft(state: _State, cfg: DecodeConfig, budget: int) -> Draft | None:
+def _draft_candidates(state: _State, cfg: DecodeConfig, budget: int) -> list[Draft]:
     max_len = budget - 1
     candidates: list[Draft | None] = []
     mtp = state.mtp.propose(state.context, max_len)
@@ -164,7 +170,11 @@ def _select_draft(state: _State, cfg: DecodeConfig, budget: int) -> Draft | None
         candidates.append(mtp)
     if state.ngram is not None:
         candidates.append(state.ngram.propose(state.context, max_len))
-    return choose_draft(candidates)
+    return [d for d in candidates if d is not None and d.tokens]
+
+
+def _select_draft(state: _State, cfg: DecodeConfig, budget: int) -> Draft | None:
+    return choose_draft(list(_draft_candidates(state, cfg, budget)))
 
 
 def _masked_probs(

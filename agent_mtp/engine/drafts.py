@@ -17,6 +17,8 @@ class Draft:
     source: str
     score: float
     """Expected accepted tokens (the selection criterion)."""
+    confidences: tuple[float, ...] = ()
+    """The model's top-1 probability per token (MTP drafts)."""
 
 
 class DraftSource(Protocol):
@@ -105,14 +107,14 @@ class MTPDraftSource:
         for c in confidences:
             run *= c
             score += run
-        self.pending = Draft(tuple(tokens), self.name, score)
+        self.pending = Draft(tuple(tokens), self.name, score, tuple(confidences))
 
     def propose(self, context: list[int], max_len: int) -> Draft | None:
         draft, self.pending = self.pending, None
         if draft is None or max_len < 1:
             return None
         if len(draft.tokens) > max_len:
-            draft = Draft(draft.tokens[:max_len], draft.source, draft.score)
+            draft = Draft(draft.tokens[:max_len], draft.source, draft.score, draft.confidences[:max_len])
         return draft
 
     def update(self, draft: Draft, accepted: int) -> None:

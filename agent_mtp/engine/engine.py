@@ -17,6 +17,7 @@ from agent_mtp.engine.constraints import TokenConstraint
 from agent_mtp.engine.cost import CostCurve, KChooser, load_or_measure, measure_cost_curve
 from agent_mtp.engine.decode import DecodeSetup, decode
 from agent_mtp.engine.loading import DEFAULT_MODEL_ALIASES, cache_root, load_model
+from agent_mtp.engine.planner import VerifyPlanner
 from agent_mtp.engine.results import GenerationResult, StreamChunk
 from agent_mtp.engine.runner import CachedRunner, ReferenceRunner, Runner
 from agent_mtp.engine.text import TextTracker
@@ -59,6 +60,8 @@ class MTPEngine:
         self.adapter = adapter
         self._cost_curve = cost_curve
         self._lock = threading.RLock()
+        self.cost_aware = True
+        """Verified mode plans drafts and masks from the cost curve (False: always k_max - 1 masks)."""
         self.eos_token_ids = _eos_ids(model, tokenizer)
 
     # -- construction -----------------------------------------------------------------------------------------
@@ -174,7 +177,7 @@ class MTPEngine:
         cfg = config or DecodeConfig()
         ids = self.encode_prompt(prompt)
         cfg = self._fit_to_context(cfg, len(ids))
-        setup = DecodeSetup(self.mask_token_id, self.eos_token_ids, self._k_chooser(cfg))
+        setup = DecodeSetup(self.mask_token_id, self.eos_token_ids, self._k_chooser(cfg), self._planner(cfg))
         with self._lock:
             runner: Runner = ReferenceRunner(self.model) if _reference else CachedRunner(self.model)
             tracker = TextTracker(self.tokenizer, cfg.stop)
@@ -240,6 +243,12 @@ class MTPEngine:
     def _k_chooser(self, cfg: DecodeConfig) -> KChooser | None:
         return KChooser(self.cost_curve) if cfg.k_max == "auto" and cfg.mode != "ntp" else None
 
+    def _planner(self, cfg: DecodeConfig) -> VerifyPlanner | None:
+        if cfg.mode != "verified" or not self.cost_aware:
+            return None
+        k_cap = 16 if cfg.k_max == "auto" else int(cfg.k_max)
+        return VerifyPlanner(self.cost_curve, k_cap)
+
     def _cost_curve_path(self) -> Path:
         device = str(self.model.device).replace(":", "")
         slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", self.model_id)
@@ -248,7 +257,8 @@ class MTPEngine:
 
     def _measure_cost_curve(self) -> CostCurve:
         log.info("Measuring the forward cost curve of %s (once per machine)", self.model_id)
-        prefix = [int(t) for t in torch.randint(3, 1000, (64,), generator=torch.Generator().manual_seed(0))]
+        high = min(1000, self.mask_token_id)
+        prefix = [int(t) for t in torch.randint(3, high, (64,), generator=torch.Generator().manual_seed(0))]
         runner = CachedRunner(self.model)
         runner.forward(prefix, 1)
 
