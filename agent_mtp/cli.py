@@ -7,44 +7,33 @@ import json
 import logging
 import os
 import sys
-from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
+from agent_mtp.cli_common import (
+    AdapterOpt,
+    DtypeOpt,
+    ModelOpt,
+    ThreadsOpt,
+    console,
+    load_engine,
+    out,
+    set_threads,
+    threads_in_use,
+)
 from agent_mtp.errors import AgentMTPError
 
 app = typer.Typer(help="agent-mtp: multi-token prediction for agents on local models.", no_args_is_help=True)
-console = Console(stderr=True)
-out = Console()
 
 # Parts register their own commands (kept out of this module so it stays small).
-PART_CLIS = ("agent_mtp.policy.cli", "agent_mtp.telemetry.cli", "agent_mtp.training.cli", "agent_mtp.bench.cli")
-
-
-def _set_threads(threads: int | None) -> None:
-    import torch
-
-    if threads:
-        torch.set_num_threads(threads)
-
-
-def _load_engine(model: str, adapter: str | None, dtype: str) -> Any:
-    from transformers.utils import logging as hf_logging
-
-    from agent_mtp.engine import MTPEngine
-
-    hf_logging.disable_progress_bar()
-    with console.status(f"Loading {model} ..."):
-        return MTPEngine.from_pretrained(model, adapter="auto" if adapter is None else (None if adapter == "none" else adapter), dtype=dtype)
-
-
-ModelOpt = Annotated[str, typer.Option(help='"default", a hub id or a local directory.')]
-AdapterOpt = Annotated[str | None, typer.Option(help='MTP adapter dir, "none", or omit for the shipped one.')]
-DtypeOpt = Annotated[str, typer.Option(help="float32 or bfloat16.")]
-ThreadsOpt = Annotated[int | None, typer.Option(help="torch threads (default: torch's choice).")]
+PART_CLIS = (
+    "agent_mtp.policy.cli",
+    "agent_mtp.telemetry.cli",
+    "agent_mtp.training.cli",
+    "agent_mtp.bench.cli",
+)
 
 
 @app.command()
@@ -68,7 +57,7 @@ def generate(
     """Generate one answer and print it (or the stable JSON object with --json)."""
     from agent_mtp.engine import DecodeConfig
 
-    _set_threads(threads)
+    set_threads(threads)
     cfg = DecodeConfig(
         mode=mode,  # type: ignore[arg-type]
         threshold=threshold,
@@ -80,7 +69,7 @@ def generate(
         max_time=max_time,
         seed=seed,
     )
-    engine = _load_engine(model, adapter, dtype)
+    engine = load_engine(model, adapter, dtype)
     if as_json:
         out.print_json(json.dumps(engine.generate(prompt, cfg).to_dict()))
         return
@@ -118,8 +107,8 @@ def demo(
     from agent_mtp.bench.core import Variant, load_suite, run_once
     from agent_mtp.engine import DecodeConfig
 
-    _set_threads(threads)
-    engine = _load_engine(model, adapter, dtype)
+    set_threads(threads)
+    engine = load_engine(model, adapter, dtype)
     prompts = {p.id: p for p in load_suite("quick")}
     variants = [
         Variant("ntp", DecodeConfig(mode="ntp")),
@@ -127,7 +116,7 @@ def demo(
         Variant(f"confadapt tau={threshold:g}", DecodeConfig(mode="confadapt", threshold=threshold, k_max=k_max)),
     ]
     adapter_name = "shipped MTP adapter" if engine.adapter is not None else "no adapter (untrained mask)"
-    console.print(f"[bold]{engine.model_id}[/bold] with {adapter_name}, {dtype}, {_threads()} threads")
+    console.print(f"[bold]{engine.model_id}[/bold] with {adapter_name}, {dtype}, {threads_in_use()} threads")
     run_once(engine, variants[0], next(iter(prompts.values())))  # warm-up
     table = Table(title="agent-mtp demo: NTP vs MTP on agent-like steps")
     for col in ("step", "mode", "tokens", "tokens/forward", "tokens/s", "speedup", "same as NTP"):
@@ -150,61 +139,6 @@ def demo(
             )
         out.print(f"\n[bold]{label}[/bold]: {engine.decode_tokens(runs[1].token_ids).strip()[:300]}")
     out.print(table)
-
-
-@app.command()
-def bench(
-    suite: Annotated[str, typer.Option(help="Shipped suite name or a .jsonl path.")] = "quick",
-    thresholds: Annotated[str, typer.Option(help="Comma-separated ConfAdapt thresholds.")] = "0.9",
-    k_max: Annotated[int, typer.Option("--k-max")] = 8,
-    repeats: int = 1,
-    json_out: Annotated[Path | None, typer.Option("--json-out", help="Write the full report as JSON.")] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON instead of a table.")] = False,
-    model: ModelOpt = "default",
-    adapter: AdapterOpt = None,
-    dtype: DtypeOpt = "float32",
-    threads: ThreadsOpt = None,
-) -> None:
-    """HF generate, engine ntp, confadapt and verified side by side: tokens/s, tokens/forward, ratios to HF."""
-    from rich.progress import Progress
-
-    from agent_mtp.bench.core import default_variants, load_suite, run_bench
-
-    _set_threads(threads)
-    engine = _load_engine(model, adapter, dtype)
-    prompts = load_suite(suite)
-    taus = [float(t) for t in thresholds.split(",") if t.strip()]
-    variants = default_variants(thresholds=taus, k_max=k_max)
-    with Progress(console=console, transient=True) as progress:
-        task = progress.add_task("benchmarking", total=len(prompts) * len(variants) * repeats)
-        report = run_bench(engine, prompts, variants, repeats=repeats, on_run=lambda _: progress.advance(task))
-    if json_out:
-        json_out.write_text(json.dumps(report.to_dict(), indent=2))
-    if as_json:
-        out.print_json(json.dumps({"machine": report.machine, "summaries": report.to_dict()["summaries"]}))
-        return
-    table = Table(title=f"agent-mtp bench: suite={suite}, {len(prompts)} prompts x {repeats}, {_threads()} threads")
-    for col in ("variant", "tokens", "tokens/s", "tokens/forward", "x HF generate", "TTFT s", "P50 s", "P95 s", "= NTP"):
-        table.add_column(col, justify="left" if col == "variant" else "right")
-    for s in report.summaries:
-        table.add_row(
-            s.variant,
-            str(s.tokens),
-            f"{s.tokens_per_s:.1f}",
-            f"{s.tokens_per_forward:.2f}",
-            f"{s.speedup_vs_hf:.2f}",
-            f"{s.ttft_s:.3f}",
-            f"{s.p50_latency_s:.2f}",
-            f"{s.p95_latency_s:.2f}",
-            f"{s.ntp_match:.0%}",
-        )
-    out.print(table)
-
-
-def _threads() -> int:
-    import torch
-
-    return torch.get_num_threads()
 
 
 def _int_option(name: str, value: str) -> int:

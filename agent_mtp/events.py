@@ -23,7 +23,8 @@ class StepEvent:
     mode: str
     """Decode mode that produced the returned output (ntp, static, confadapt, verified)."""
     outcome: Outcome
-    """ok, timeout (deadline hit, partial output), error (raised), monitor_failed (returned despite a failed monitor)."""
+    """ok, timeout (deadline hit, partial output), error (raised), or monitor_failed (returned even though a
+    monitor failed)."""
     latency_s: float
     """Wall time of the whole step including retries."""
     model: str = "default"

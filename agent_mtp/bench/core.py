@@ -81,7 +81,9 @@ def load_suite(name_or_path: str = "quick") -> list[BenchPrompt]:
     else:
         resource = resources.files("agent_mtp.bench").joinpath("suites", f"{name_or_path}.jsonl")
         if not resource.is_file():
-            shipped = sorted(p.name.removesuffix(".jsonl") for p in resources.files("agent_mtp.bench").joinpath("suites").iterdir())
+            shipped = sorted(
+                p.name.removesuffix(".jsonl") for p in resources.files("agent_mtp.bench").joinpath("suites").iterdir()
+            )
             raise ConfigError(f"Unknown bench suite {name_or_path!r}; use one of {shipped} or a .jsonl path.")
         text = resource.read_text()
     prompts = []
@@ -89,7 +91,12 @@ def load_suite(name_or_path: str = "quick") -> list[BenchPrompt]:
         if line.strip():
             item = json.loads(line)
             prompts.append(
-                BenchPrompt(item["id"], item.get("suite", "misc"), tuple(item["messages"]), item.get("max_new_tokens", 64))
+                BenchPrompt(
+                    item["id"],
+                    item.get("suite", "misc"),
+                    tuple(item["messages"]),
+                    item.get("max_new_tokens", 64),
+                )
             )
     return prompts
 
@@ -181,7 +188,9 @@ def summarise(runs: Iterable[Run], variants: Sequence[Variant]) -> list[VariantS
         )
     reference = next((s for s in summaries if s.variant.startswith("hf-generate")), None)
     for s in summaries:
-        s.speedup_vs_hf = s.tokens_per_s / reference.tokens_per_s if reference and reference.tokens_per_s else float("nan")
+        s.speedup_vs_hf = (
+            s.tokens_per_s / reference.tokens_per_s if reference and reference.tokens_per_s else float("nan")
+        )
     return summaries
 
 

@@ -49,9 +49,7 @@ def verify_greedy(draft: list[int], targets: list[int]) -> int:
     return accepted
 
 
-def accept_or_resample(
-    probs: torch.Tensor, draft_token: int, generator: torch.Generator | None
-) -> tuple[bool, int]:
+def accept_or_resample(probs: torch.Tensor, draft_token: int, generator: torch.Generator | None) -> tuple[bool, int]:
     """Lossless speculative sampling for a deterministic draft (q = one-hot at ``draft_token``).
 
     Accept with probability p(draft); on rejection sample from p with the draft token removed (the residual

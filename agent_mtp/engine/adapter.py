@@ -24,7 +24,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -193,16 +193,20 @@ class MTPAdapter(nn.Module):
             for layer, state in zip(layers, states, strict=True):
                 layer.enabled = state  # type: ignore[assignment]
 
+    def layers(self) -> dict[str, GatedLoRALinear]:
+        """The gated LoRA layers by key (module path with "." replaced by "__")."""
+        return {key: cast(GatedLoRALinear, layer) for key, layer in self.lora.items()}
+
     def trainable_parameters(self) -> list[nn.Parameter]:
         params: list[nn.Parameter] = [self.mask_embedding]
-        for layer in self.lora.values():
-            params += [layer.lora_A, layer.lora_B]  # type: ignore[list-item]
+        for layer in self.layers().values():
+            params += [layer.lora_A, layer.lora_B]
         return params
 
     # -- saving / loading ----------------------------------------------------------------------------------
     def state_tensors(self) -> dict[str, torch.Tensor]:
         tensors = {"mask_embedding": self.mask_embedding.detach().float().contiguous()}
-        for key, layer in self.lora.items():
+        for key, layer in self.layers().items():
             path = key.replace("__", ".")
             tensors[f"lora.{path}.A"] = layer.lora_A.detach().float().contiguous()
             tensors[f"lora.{path}.B"] = layer.lora_B.detach().float().contiguous()
@@ -225,11 +229,14 @@ class MTPAdapter(nn.Module):
         expected = set(self.state_tensors())
         missing, unexpected = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
         if missing or unexpected:
-            msg = f"{source}: tensors do not match the adapter config (missing {missing[:4]}, unexpected {unexpected[:4]})."
+            msg = (
+                f"{source}: tensors do not match the adapter config "
+                f"(missing {missing[:4]}, unexpected {unexpected[:4]})."
+            )
             raise AdapterError(msg + " The adapter was made for another base model or target_modules.")
         with torch.no_grad():
             _copy_checked(self.mask_embedding, tensors["mask_embedding"], "mask_embedding", source)
-            for key, layer in self.lora.items():
+            for key, layer in self.layers().items():
                 path = key.replace("__", ".")
                 _copy_checked(layer.lora_A, tensors[f"lora.{path}.A"], f"lora.{path}.A", source)
                 _copy_checked(layer.lora_B, tensors[f"lora.{path}.B"], f"lora.{path}.B", source)
@@ -313,7 +320,9 @@ def new_adapter(
 def read_adapter_config(directory: str | Path) -> AdapterConfig:
     path = Path(directory) / CONFIG_FILE
     if not path.is_file():
-        raise AdapterError(f"{directory}: no {CONFIG_FILE}; an MTP adapter directory holds {CONFIG_FILE} and {WEIGHTS_FILE}.")
+        raise AdapterError(
+            f"{directory}: no {CONFIG_FILE}; an MTP adapter directory holds {CONFIG_FILE} and {WEIGHTS_FILE}."
+        )
     try:
         data = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -323,9 +332,7 @@ def read_adapter_config(directory: str | Path) -> AdapterConfig:
     return AdapterConfig.from_dict(data, source=str(path))
 
 
-def load_adapter(
-    model: nn.Module, directory: str | Path, *, mask_token_id: int, check_base: bool = True
-) -> MTPAdapter:
+def load_adapter(model: nn.Module, directory: str | Path, *, mask_token_id: int, check_base: bool = True) -> MTPAdapter:
     """Read an adapter directory, check it belongs to ``model``, and attach it."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
@@ -342,7 +349,10 @@ def load_adapter(
         if checksum is not None and not math.isclose(checksum, actual["embedding_checksum"], rel_tol=1e-3):
             mismatched["embedding_checksum"] = (checksum, actual["embedding_checksum"])
         if mismatched:
-            msg = f"{directory}: adapter was trained for base model {config.base_model!r}; this model differs in {mismatched}."
+            msg = (
+                f"{directory}: adapter was trained for base model {config.base_model!r}; "
+                f"this model differs in {mismatched}."
+            )
             raise AdapterError(msg + " Load the matching base model, or pass check_base=False if you are sure.")
     weights = Path(directory) / WEIGHTS_FILE
     if not weights.is_file():

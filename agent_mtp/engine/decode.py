@@ -177,9 +177,7 @@ def _select_draft(state: _State, cfg: DecodeConfig, budget: int) -> Draft | None
     return choose_draft(list(_draft_candidates(state, cfg, budget)))
 
 
-def _masked_probs(
-    row: torch.Tensor, cfg: DecodeConfig, constraint: TokenConstraint | None
-) -> torch.Tensor:
+def _masked_probs(row: torch.Tensor, cfg: DecodeConfig, constraint: TokenConstraint | None) -> torch.Tensor:
     if constraint is not None:
         allowed = constraint.allowed_mask(row.shape[-1]).to(row.device)
         row = row.masked_fill(~allowed, float("-inf"))

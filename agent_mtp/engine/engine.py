@@ -5,9 +5,9 @@ from __future__ import annotations
 import logging
 import re
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 
@@ -91,7 +91,10 @@ class MTPEngine:
                 loaded.model, adapter_dir, mask_token_id=loaded.mask_token_id, check_base=check_adapter_base
             )
             if mtp_adapter.config.mask_token != loaded.mask_token:
-                msg = f"{adapter_dir}: adapter uses mask token {mtp_adapter.config.mask_token!r}, model has {loaded.mask_token!r}."
+                msg = (
+                    f"{adapter_dir}: adapter uses mask token {mtp_adapter.config.mask_token!r}, "
+                    f"model has {loaded.mask_token!r}."
+                )
                 raise AdapterError(msg + f" Pass mask_token={mtp_adapter.config.mask_token!r}.")
         return cls(
             loaded.model,
@@ -118,7 +121,7 @@ class MTPEngine:
         if not items:
             raise EmptyPromptError("The prompt is empty; pass some text, messages or token ids.")
         if all(isinstance(t, int) and not isinstance(t, bool) for t in items):
-            return self._check_ids([int(t) for t in items])  # type: ignore[arg-type]
+            return self._check_ids([int(cast(int, t)) for t in items])
         if all(isinstance(m, Mapping) for m in items):
             return self._render(items)  # type: ignore[arg-type]
         raise PromptError(
@@ -172,7 +175,7 @@ class MTPEngine:
         *,
         constraint: TokenConstraint | None = None,
         _reference: bool = False,
-    ) -> Iterator[StreamChunk]:
+    ) -> Generator[StreamChunk, None, None]:
         """Yield one chunk per forward pass; the last chunk has ``finish_reason`` and ``stats``."""
         cfg = config or DecodeConfig()
         ids = self.encode_prompt(prompt)
@@ -221,9 +224,13 @@ class MTPEngine:
             return []
         ids = self._check_ids([*prompt_ids, *continuation_ids][:-1])
         with self._lock:
-            logits = self.model(
-                input_ids=torch.tensor([ids], device=self.model.device), logits_to_keep=len(continuation_ids)
-            ).logits[0].float()
+            logits = (
+                self.model(
+                    input_ids=torch.tensor([ids], device=self.model.device), logits_to_keep=len(continuation_ids)
+                )
+                .logits[0]
+                .float()
+            )
         logp = torch.log_softmax(logits, -1)
         target = torch.tensor(list(continuation_ids), device=logp.device)
         return logp.gather(-1, target[:, None]).squeeze(-1).tolist()

@@ -1,27 +1,28 @@
-"""Grammar-constrained decoding with xgrammar: a :class:`~agent_mtp.engine.constraints.TokenConstraint` that keeps
-every accepted token inside a grammar (a JSON schema, an EBNF grammar or an xgrammar structural tag).
+"""Grammar-constrained decoding with xgrammar: a :class:`~agent_mtp.engine.constraints.TokenConstraint` that
+keeps every accepted token inside a grammar (a JSON schema, an EBNF grammar or an xgrammar structural tag).
 
     grammar = compile_grammar(engine.tokenizer, GrammarSpec.json_schema(schema),
                               vocab_size=engine.vocab_size, stop_token_ids=engine.eos_token_ids)
     result = engine.generate(prompt, config, constraint=grammar.constraint())
 
 How the decode loop uses it (see ``engine/decode.py``): position 1 of every pass is picked from
-:meth:`GrammarConstraint.allowed_mask`; the other proposals of the pass are offered to :meth:`GrammarConstraint.accept`
-and the block is cut at the first token the grammar rejects; :meth:`GrammarConstraint.rollback` undoes proposals
-that acceptance did not keep; :meth:`GrammarConstraint.forced_tokens` gives the jump-forward tokens.
+:meth:`GrammarConstraint.allowed_mask`; the other proposals of the pass are offered to
+:meth:`GrammarConstraint.accept` and the block is cut at the first token the grammar rejects;
+:meth:`GrammarConstraint.rollback` undoes proposals that acceptance did not keep;
+:meth:`GrammarConstraint.forced_tokens` gives the jump-forward tokens.
 
-Jump-forward and exactness. Where the grammar admits exactly one continuation string (keys, quotes, braces, a forced
-tool name), xgrammar's jump-forward string is re-tokenised with the model's tokenizer and its last token is dropped
-(it may merge with what follows); the tokens the matcher accepts become the state's *plan*. A plan is a function of
-the decoding state alone: at a state with a plan only the plan's next token is allowed, whether it is appended by
-jump-forward or chosen by the model inside a multi-token pass. So the token sequence does not depend on where the
-pass boundaries fall, and constrained ``verified`` output equals constrained ``ntp`` output token for token, with
-jump-forward on. A state where the grammar allows a single token (often the end-of-sequence token after a closed
-tool call) plans that token.
+Jump-forward and exactness. Where the grammar admits exactly one continuation string (keys, quotes, braces, a
+forced tool name), xgrammar's jump-forward string is re-tokenised with the model's tokenizer and its last
+token is dropped (it may merge with what follows); the tokens the matcher accepts become the state's *plan*. A
+plan is a function of the decoding state alone: at a state with a plan only the plan's next token is allowed,
+whether it is appended by jump-forward or chosen by the model inside a multi-token pass. So the token sequence
+does not depend on where the pass boundaries fall, and constrained ``verified`` output equals constrained
+``ntp`` output token for token, with jump-forward on. A state where the grammar allows a single token (often
+the end-of-sequence token after a closed tool call) plans that token.
 
-Special tokens (``<|im_start|>``, the MTP mask token, ...) are never allowed: xgrammar treats an added token's text
-as ordinary bytes, so a JSON string would otherwise admit them. End-of-sequence tokens are allowed exactly where
-the grammar is complete.
+Special tokens (``<|im_start|>``, the MTP mask token, ...) are never allowed: xgrammar treats an added token's
+text as ordinary bytes, so a JSON string would otherwise admit them. End-of-sequence tokens are allowed
+exactly where the grammar is complete.
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ _SHIFTS = torch.arange(32, dtype=torch.int32)
 class GrammarSpec:
     """What to constrain to, as a hashable value (the compile cache key).
 
-    ``source`` is a JSON schema (as canonical JSON text), an EBNF grammar, or an xgrammar structural tag as JSON.
+    ``source`` is a JSON schema (as canonical JSON text), an EBNF grammar, or an xgrammar structural tag as
+    JSON.
     """
 
     kind: GrammarKind
@@ -94,7 +96,7 @@ def json_schema_ebnf(schema: Mapping[str, Any], *, strict: bool = True) -> str:
     return str(grammar)
 
 
-# --------------------------------------------------------------------------------------------------- vocabulary
+# --------------------------------------------------------------------------------------------- vocabulary
 class _Vocab:
     """xgrammar's view of one tokenizer at one logits width, plus the tokens that are never allowed."""
 
@@ -183,7 +185,7 @@ def _vocab(tokenizer: Any, vocab_size: int, stop_token_ids: Iterable[int]) -> _V
     return vocab
 
 
-# --------------------------------------------------------------------------------------------------- public API
+# --------------------------------------------------------------------------------------------- public API
 class CompiledGrammar:
     """A grammar compiled for one tokenizer; :meth:`constraint` makes a fresh matcher per generation."""
 
@@ -210,8 +212,8 @@ def compile_grammar(
 ) -> CompiledGrammar:
     """Compile ``spec`` for ``tokenizer`` (cached per tokenizer, logits width, stop tokens and spec).
 
-    ``vocab_size`` is the width of the model's logits (embedding rows), which may exceed the tokenizer's vocabulary
-    (the MTP mask token is an extra row); rows past the tokenizer's vocabulary are never allowed.
+    ``vocab_size`` is the width of the model's logits (embedding rows), which may exceed the tokenizer's
+    vocabulary (the MTP mask token is an extra row); rows past the tokenizer's vocabulary are never allowed.
     """
     vocab = _vocab(tokenizer, vocab_size, stop_token_ids)
     return CompiledGrammar(vocab, spec, vocab.compile(spec), jump_forward=jump_forward)
@@ -310,8 +312,8 @@ class GrammarConstraint:
         return ()
 
     def _jump_forward_tokens(self, forced: str) -> tuple[int, ...]:
-        """Tokens of the forced string that the matcher accepts, minus the last token of the tokenisation (it could
-        merge with the text that follows). The matcher is left where it was."""
+        """Tokens of the forced string that the matcher accepts, minus the last token of the tokenisation (it
+        could merge with the text that follows). The matcher is left where it was."""
         if not forced:
             return ()
         ids = self.vocab.tokenizer.encode(forced, add_special_tokens=False)[:-1]
@@ -349,5 +351,9 @@ def compile_for_engine(engine: Any, spec: GrammarSpec, *, jump_forward: bool = T
     head = engine.model.get_output_embeddings()
     width = int(head.weight.shape[0]) if head is not None else int(engine.model.config.vocab_size)
     return compile_grammar(
-        engine.tokenizer, spec, vocab_size=width, stop_token_ids=engine.eos_token_ids, jump_forward=jump_forward
+        engine.tokenizer,
+        spec,
+        vocab_size=width,
+        stop_token_ids=engine.eos_token_ids,
+        jump_forward=jump_forward,
     )

@@ -90,7 +90,7 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> None:
     except ImportError as e:
         raise ModelLoadError(f"Loading the GGUF file {gguf} needs `gguf` and `accelerate`: {e}") from e
     # A GGUF-loaded model carries a quantizer marker that makes save_pretrained refuse; the weights are plain fp32.
-    model.hf_quantizer = None
+    setattr(model, "hf_quantizer", None)  # noqa: B010
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.save_pretrained(out_dir)

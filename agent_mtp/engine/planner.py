@@ -40,19 +40,19 @@ class VerifyPlanner:
         self._passes += 1
         best: tuple[float, Draft | None, int] = (-1.0, None, 0)
         options: list[tuple[Draft | None, list[float]]] = [(None, [])]
-        for draft in candidates:
-            probs = self._probs(draft)
-            for length in range(1, min(len(draft.tokens), room) + 1):
-                options.append((Draft(draft.tokens[:length], draft.source, draft.score), probs[:length]))
+        for candidate in candidates:
+            probs = self._probs(candidate)
+            for length in range(1, min(len(candidate.tokens), room) + 1):
+                options.append((Draft(candidate.tokens[:length], candidate.source, candidate.score), probs[:length]))
         mask_gain = _cumulative(self.mtp_rates)
-        for draft, probs in options:
+        for option, probs in options:
             expected, p_all = _expected(probs)
-            length = len(draft.tokens) if draft else 0
+            length = len(option.tokens) if option else 0
             for masks in range(0, max(min(self.k_cap - 1, room - length), 0) + 1):
                 future = p_all * (mask_gain[masks - 1] if masks else 0.0) * FUTURE_CREDIT
                 score = (1.0 + expected + future) / self.curve.cost(pending + length + masks)
                 if score > best[0] + 1e-12:
-                    best = (score, draft, masks)
+                    best = (score, option, masks)
         _, draft, masks = best
         if self.explore_every and self._passes % self.explore_every == 0 and masks == 0:
             masks = max(min(self.k_cap - 1, room - (len(draft.tokens) if draft else 0)), 0)

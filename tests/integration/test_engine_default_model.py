@@ -13,7 +13,10 @@ from agent_mtp.engine import DecodeConfig
 PROMPTS = [
     "What's the weather in Paris? Answer with a JSON tool call to get_weather.",
     "List three fruits as a markdown list.",
-    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Add 17 and 25. Think step by step."}],
+    [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Add 17 and 25. Think step by step."},
+    ],
 ]
 
 
@@ -53,8 +56,10 @@ def test_verified_equals_ntp(default_engine, prompt):
 def test_cli_generate_json(default_engine, monkeypatch):
     from agent_mtp import cli
 
-    monkeypatch.setattr(cli, "_load_engine", lambda *a, **k: default_engine)
-    result = CliRunner().invoke(cli.app, ["generate", "Say hi.", "--mode", "verified", "--max-new-tokens", "8", "--json"])
+    monkeypatch.setattr(cli, "load_engine", lambda *a, **k: default_engine)
+    result = CliRunner().invoke(
+        cli.app, ["generate", "Say hi.", "--mode", "verified", "--max-new-tokens", "8", "--json"]
+    )
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert set(data) == {"text", "token_ids", "finish_reason", "stats"}
