@@ -10,11 +10,14 @@ FinishReason = Literal["stop", "length", "timeout"]
 
 @dataclass
 class DecodeStats:
-    """Measured during one generation. ``tokens_per_forward`` excludes the prefill pass."""
+    """Measured during one generation.
+
+    The prefill pass counts as a forward pass (it yields the first token, and with masks the first block), so plain
+    NTP has exactly 1.0 tokens per forward."""
 
     mode: str = "ntp"
     forward_passes: int = 0
-    """Decode passes after the prefill (the prefill pass itself also yields the first token and is counted too)."""
+    """Forward passes of the model, including the prefill pass."""
     new_tokens: int = 0
     prompt_tokens: int = 0
     accept_histogram: dict[int, int] = field(default_factory=dict)

@@ -64,3 +64,15 @@ def test_cli_generate_json(default_engine, monkeypatch):
     data = json.loads(result.stdout)
     assert set(data) == {"text", "token_ids", "finish_reason", "stats"}
     assert data["stats"]["mode"] == "verified" and len(data["token_ids"]) <= 8
+
+
+def test_engine_example_runs(default_engine, monkeypatch, capsys):
+    import runpy
+
+    from agent_mtp.engine import MTPEngine
+
+    monkeypatch.setattr(MTPEngine, "from_pretrained", classmethod(lambda cls, *a, **k: default_engine))
+    module = runpy.run_path("examples/engine_basics.py")
+    module["main"](max_new_tokens=16)
+    out = capsys.readouterr().out
+    assert "identical to NTP: True" in out
