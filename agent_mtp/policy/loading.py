@@ -1,7 +1,8 @@
 """Load a policy from YAML (or a mapping, or a Policy) with errors that name the file, the line and the field.
 
-pydantic reports where a value is wrong as a key path (``('steps', 'tool_call', 'threshold')``); the YAML node tree
-(``yaml.compose``) keeps the line of every key and value, so the path is walked through the nodes to find the line.
+pydantic reports where a value is wrong as a key path (``('steps', 'tool_call', 'threshold')``); the YAML node
+tree (``yaml.compose``) keeps the line of every key and value, so the path is walked through the nodes to find
+the line.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ Loc = tuple[str | int, ...]
 
 
 def load_policy(source: PolicySource) -> Policy:
-    """A validated :class:`Policy` from a Policy, a mapping, a YAML path, or a shipped name (default/latency/exact)."""
+    """A validated :class:`Policy` from a Policy, a mapping, a YAML path, or a shipped name
+    (default/latency/exact)."""
     if isinstance(source, Policy):
         _raise_if_problems(_semantic(source, None), "policy object")
         return source
@@ -51,7 +53,8 @@ def resolve_policy_path(source: str | os.PathLike[str]) -> Path:
         return PRESETS_DIR / f"{text}.yaml"
     path = Path(text).expanduser()
     if not path.is_file():
-        msg = f"policy file {text!r} does not exist: pass a path to a YAML file or one of {', '.join(PRESET_NAMES)}"
+        names = ", ".join(PRESET_NAMES)
+        msg = f"policy file {text!r} does not exist: pass a path to a YAML file or one of {names}"
         raise PolicyError(msg)
     return path
 
@@ -67,7 +70,7 @@ def parse_policy(text: str, *, source: str = "<string>") -> Policy:
         raise PolicyError(f"{source}{line}: not valid YAML: {exc.problem or exc}. Fix the syntax there.") from exc
     if not isinstance(data, dict):
         kind = "empty" if data is None else f"a {type(data).__name__}"
-        msg = f"{source}, line 1: the policy is {kind}; it must be a mapping with keys like `version: 1` and `defaults:`"
+        msg = f"{source}, line 1: the policy is {kind}; write a mapping with keys like `version: 1`"
         raise PolicyError(msg)
     duplicates = _duplicate_keys(root)
     if duplicates:
@@ -93,13 +96,16 @@ def _raise_if_problems(problems: list[tuple[int | None, str, str]], where: str) 
     raise PolicyError(f"invalid policy {where} ({len(problems)} {noun}):\n" + "\n".join(lines))
 
 
-# ------------------------------------------------------------------------------------------------- error → message
+# -------------------------------------------------------------------------------------------- error → message
 def _schema_problems(exc: ValidationError, root: yaml.Node | None) -> list[tuple[int | None, str, str]]:
     grouped: dict[tuple[str, int | None], list[dict[str, Any]]] = {}
     for err in exc.errors(include_url=False):
         loc, line = _locate(root, tuple(err["loc"]), key_line=err["type"] == "extra_forbidden")
+        if err["type"] == "missing":
+            loc = tuple(s for s in err["loc"] if not _is_tag(s))
         grouped.setdefault((_dotted(loc), line), []).append({**err, "loc": loc})
-    return [(line, path, _describe(errs)) for (path, line), errs in grouped.items()]
+    problems = [(line, path, _describe(errs)) for (path, line), errs in grouped.items()]
+    return sorted(problems, key=lambda p: p[0] or 0)
 
 
 def _describe(errs: list[dict[str, Any]]) -> str:
@@ -112,7 +118,7 @@ def _describe(errs: list[dict[str, Any]]) -> str:
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         return f"unknown field {key!r}{hint}. Allowed fields here: {', '.join(allowed)}"
     if first["type"] == "missing":
-        return f"required field missing. Allowed: {_allowed_text(loc)}"
+        return f"required field {loc[-1]!r} is missing. Allowed: {_allowed_text(loc)}"
     reasons = "; ".join(dict.fromkeys(e["msg"] for e in errs))
     return f"{first['input']!r} is not allowed ({reasons}). Allowed: {_allowed_text(loc)}"
 
@@ -189,7 +195,7 @@ def _duplicate_keys(root: yaml.Node | None, path: Loc = ()) -> list[tuple[int, s
     return found
 
 
-# ------------------------------------------------------------------------------------------------- schema walking
+# --------------------------------------------------------------------------------------------- schema walking
 def _walk(loc: Loc) -> tuple[type[BaseModel] | None, FieldInfo | None]:
     """The model class reached by ``loc`` (None for a scalar) and the field that holds it."""
     tp: Any = Policy
@@ -231,4 +237,4 @@ def _semantic(policy: Policy, root: yaml.Node | None) -> list[tuple[int | None, 
     for loc, msg in semantic_problems(policy):
         _, line = _locate(root, loc, key_line=False)
         out.append((line, _dotted(loc), msg))
-    return out
+    return sorted(out, key=lambda p: p[0] or 0)

@@ -1,10 +1,11 @@
 """Quality monitors: each looks at one generation and gives a verdict (pass/fail with a score and a reason).
 
-Cheap monitors run on every generation: ``validity`` (the caller's validators, e.g. tool-call arguments against
-their JSON schema, plus an optional JSON parse) and ``repetition`` (a token loop). Costly monitors run on a sampled
-fraction: ``ntp_agreement`` re-decodes the prompt with NTP and compares the tokens; ``likelihood`` scores the output
-with one teacher-forced pass of the exact NTP path and compares the mean log-prob to the step type's baseline.
-A monitor returns None when it has nothing to say (no validators, exact mode, no baseline yet).
+Cheap monitors run on every generation: ``validity`` (the caller's validators, e.g. tool-call arguments
+against their JSON schema, plus an optional JSON parse) and ``repetition`` (a token loop). Costly monitors run
+on a sampled fraction: ``ntp_agreement`` re-decodes the prompt with NTP and compares the tokens;
+``likelihood`` scores the output with one teacher-forced pass of the exact NTP path and compares the mean
+log-prob to the step type's baseline. A monitor returns None when it has nothing to say (no validators, exact
+mode, no baseline yet).
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ class MonitorVerdict:
 
 
 Validator = Callable[[str], "MonitorVerdict | bool"]
-"""Called with the output text; returns a verdict (or a bool). Supplied by the caller, e.g. tool-call validity."""
+"""Called with the output text; returns a verdict (or a bool). Supplied by the caller, e.g. tool-call
+validity."""
 
 
 class EngineLike(Protocol):
@@ -93,7 +95,7 @@ class Monitor(Protocol):
     def check(self, sample: MonitorInput) -> MonitorVerdict | None: ...
 
 
-# ------------------------------------------------------------------------------------------------------- validity
+# --------------------------------------------------------------------------------------------------- validity
 class ValidityMonitor:
     name = "validity"
     costly = False
@@ -144,7 +146,7 @@ def _as_verdict(value: MonitorVerdict | bool, name: str) -> MonitorVerdict:
     return MonitorVerdict(name, bool(value), detail="" if value else "rejected")
 
 
-# ------------------------------------------------------------------------------------------------------ repetition
+# ------------------------------------------------------------------------------------------------- repetition
 class RepetitionMonitor:
     name = "repetition"
     costly = False
@@ -164,8 +166,8 @@ class RepetitionMonitor:
 def longest_loop(token_ids: Sequence[int], *, max_period: int, min_repeats: int) -> tuple[int, int]:
     """(period, span) of the longest stretch that repeats a unit of <= max_period tokens >= min_repeats times.
 
-    A stretch of span s is periodic with period p when ids[i] == ids[i - p] for the s - p positions after its first
-    unit; it holds s / p copies of the unit. Returns (0, 0) when there is none.
+    A stretch of span s is periodic with period p when ids[i] == ids[i - p] for the s - p positions after its
+    first unit; it holds s / p copies of the unit. Returns (0, 0) when there is none.
     """
     ids = list(token_ids)
     best = (0, 0)
@@ -179,7 +181,7 @@ def longest_loop(token_ids: Sequence[int], *, max_period: int, min_repeats: int)
     return best
 
 
-# ---------------------------------------------------------------------------------------------------- NTP agreement
+# ---------------------------------------------------------------------------------------------- NTP agreement
 class NtpAgreementMonitor:
     name = "ntp_agreement"
     costly = True
@@ -208,7 +210,7 @@ def agreement(tokens: Sequence[int], reference: Sequence[int]) -> float:
     return difflib.SequenceMatcher(None, list(tokens), list(reference), autojunk=False).ratio()
 
 
-# ------------------------------------------------------------------------------------------------------- likelihood
+# ------------------------------------------------------------------------------------------------- likelihood
 class LikelihoodMonitor:
     name = "likelihood"
     costly = True

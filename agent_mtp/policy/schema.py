@@ -1,8 +1,8 @@
 """The policy file schema: pydantic models with ``extra="forbid"``, strict types, a default for every field.
 
-A policy has ``defaults`` (a full :class:`StepSettings`) and per-step-type overrides under ``steps``; an override
-names only the fields it changes, at any depth (``steps.tool_call.retries.attempts: 2``). Lists replace, mappings
-merge. :meth:`Policy.effective` returns the merged settings of one step type.
+A policy has ``defaults`` (a full :class:`StepSettings`) and per-step-type overrides under ``steps``; an
+override names only the fields it changes, at any depth (``steps.tool_call.retries.attempts: 2``). Lists
+replace, mappings merge. :meth:`Policy.effective` returns the merged settings of one step type.
 """
 
 from __future__ import annotations
@@ -35,78 +35,94 @@ class _Section(BaseModel):
     model_config = _CONFIG
 
 
-# ---------------------------------------------------------------------------------------------------------- retries
-class BackoffSettings(_Section):
-    """Exponential backoff with jitter between attempts: min(max_s, multiplier_s * exp_base**n + U(0, jitter_s))."""
+def _default_retry_on() -> list[RetryOn]:
+    return ["monitor_failed", "retryable_error"]
 
-    multiplier_s: float = Field(0.05, ge=0, description="seconds before the first retry (>= 0)")
-    exp_base: float = Field(2.0, ge=1, description="growth factor per retry (>= 1)")
-    max_s: float = Field(2.0, ge=0, description="longest wait between attempts in seconds (>= 0)")
-    jitter_s: float = Field(0.05, ge=0, description="random extra wait in [0, jitter_s] seconds (>= 0)")
+
+def _default_drafts() -> list[DraftSource]:
+    return ["mtp", "ngram"]
+
+
+# ---------------------------------------------------------------------------------------------------- retries
+class BackoffSettings(_Section):
+    """Exponential backoff with jitter between attempts: min(max_s, multiplier_s * exp_base**n + U(0,
+    jitter_s))."""
+
+    multiplier_s: float = Field(default=0.05, ge=0, description="seconds before the first retry (>= 0)")
+    exp_base: float = Field(default=2.0, ge=1, description="growth factor per retry (>= 1)")
+    max_s: float = Field(default=2.0, ge=0, description="longest wait between attempts in seconds (>= 0)")
+    jitter_s: float = Field(default=0.05, ge=0, description="random extra wait in [0, jitter_s] seconds (>= 0)")
 
 
 class DecodeOverride(_Section):
     """What one retry changes; unset fields keep the previous attempt's value."""
 
-    mode: PolicyMode | None = Field(None, description="ntp, static, confadapt or verified")
-    threshold: float | None = Field(None, ge=0, le=1, description="a number in [0, 1]")
-    k_max: KMax | None = Field(None, description=f'an int in [1, {K_MAX_LIMIT}] or "auto"')
+    mode: PolicyMode | None = Field(default=None, description="ntp, static, confadapt or verified")
+    threshold: float | None = Field(default=None, ge=0, le=1, description="a number in [0, 1]")
+    k_max: KMax | None = Field(default=None, description=f'an int in [1, {K_MAX_LIMIT}] or "auto"')
 
 
 class RetrySettings(_Section):
-    attempts: int = Field(2, ge=1, le=10, description="total attempts including the first, an int in [1, 10]")
+    attempts: int = Field(default=2, ge=1, le=10, description="total attempts including the first, an int in [1, 10]")
     max_delay_s: float | None = Field(
-        None, gt=0, description="stop retrying once this many seconds passed since the first attempt (> 0 or null)"
+        default=None,
+        gt=0,
+        description="stop retrying once this many seconds passed since the first attempt (> 0 or null)",
     )
     backoff: BackoffSettings = BackoffSettings()
     retry_on: list[RetryOn] = Field(
-        default_factory=lambda: ["monitor_failed", "retryable_error"],
+        default_factory=_default_retry_on,
         description="list of monitor_failed, timeout, retryable_error",
     )
     escalate: list[DecodeOverride] = Field(
         default_factory=lambda: [DecodeOverride(mode="ntp")],
-        description="per retry, what changes (mode/threshold/k_max); the last entry repeats; [] retries as is",
+        description="per retry, the changes (mode/threshold/k_max); the last entry repeats; [] retries as is",
     )
     on_exhausted: Literal["return", "raise"] = Field(
-        "return", description="return (last output, outcome monitor_failed) or raise (QualityError)"
+        default="return", description="return (last output, outcome monitor_failed) or raise (QualityError)"
     )
 
 
-# --------------------------------------------------------------------------------------------------------- monitors
+# --------------------------------------------------------------------------------------------------- monitors
 class _Monitor(_Section):
-    enabled: bool = Field(True, description="true or false")
-    sample_rate: float = Field(1.0, ge=0, le=1, description="fraction of generations checked, a number in [0, 1]")
+    enabled: bool = Field(default=True, description="true or false")
+    sample_rate: float = Field(
+        default=1.0, ge=0, le=1, description="fraction of generations checked, a number in [0, 1]"
+    )
 
 
 class ValidityMonitor(_Monitor):
     """Cheap: runs the caller's validators (tool-call / schema checks) on every output."""
 
-    require_json: bool = Field(False, description="true: the output must also parse as JSON")
+    require_json: bool = Field(default=False, description="true: the output must also parse as JSON")
 
 
 class RepetitionMonitor(_Monitor):
-    """Cheap: fails when a unit of 1..max_period tokens repeats min_repeats times in a row over min_span_tokens."""
+    """Cheap: fails when a unit of 1..max_period tokens repeats min_repeats times in a row over
+    min_span_tokens."""
 
-    min_repeats: int = Field(4, ge=2, description="an int >= 2")
-    min_span_tokens: int = Field(24, ge=2, description="an int >= 2")
-    max_period: int = Field(32, ge=1, le=512, description="an int in [1, 512]")
+    min_repeats: int = Field(default=4, ge=2, description="an int >= 2")
+    min_span_tokens: int = Field(default=24, ge=2, description="an int >= 2")
+    max_period: int = Field(default=32, ge=1, le=512, description="an int in [1, 512]")
 
 
 class NtpAgreementMonitor(_Monitor):
     """Costly: re-decodes with NTP and compares tokens (difflib ratio); only for lossy modes."""
 
-    sample_rate: float = Field(0.05, ge=0, le=1, description="fraction of generations checked, in [0, 1]")
-    min_agreement: float = Field(0.8, ge=0, le=1, description="a number in [0, 1]")
+    sample_rate: float = Field(default=0.05, ge=0, le=1, description="fraction of generations checked, in [0, 1]")
+    min_agreement: float = Field(default=0.8, ge=0, le=1, description="a number in [0, 1]")
 
 
 class LikelihoodMonitor(_Monitor):
     """Costly: one teacher-forced NTP pass over the output; mean log-prob vs the step type's baseline."""
 
-    sample_rate: float = Field(0.1, ge=0, le=1, description="fraction of generations checked, in [0, 1]")
+    sample_rate: float = Field(default=0.1, ge=0, le=1, description="fraction of generations checked, in [0, 1]")
     baseline: float | None = Field(
-        None, le=0, description="mean log-prob per token of NTP outputs (<= 0), or null to learn it online"
+        default=None,
+        le=0,
+        description="mean log-prob per token of NTP outputs (<= 0), or null to learn it online",
     )
-    max_drop: float = Field(1.0, gt=0, description="allowed drop below the baseline in nats per token (> 0)")
+    max_drop: float = Field(default=1.0, gt=0, description="allowed drop below the baseline in nats per token (> 0)")
 
 
 class MonitorSettings(_Section):
@@ -116,43 +132,54 @@ class MonitorSettings(_Section):
     likelihood: LikelihoodMonitor = LikelihoodMonitor()
 
 
-# --------------------------------------------------------------------------------------------------------- breaker
+# ---------------------------------------------------------------------------------------------------- breaker
 class FallbackSettings(_Section):
     """The per-step-type breaker: closed -> open -> (cooldown in fallback mode) -> half-open probes -> closed."""
 
-    enabled: bool = Field(True, description="true or false")
-    mode: SafeMode = Field("ntp", description="mode used while the breaker is open: ntp or verified")
-    window: int = Field(50, ge=1, description="recent lossy-mode generations kept per step type, an int >= 1")
-    min_samples: int = Field(10, ge=1, description="samples needed before the breaker may trip, an int >= 1")
-    baseline: float = Field(1.0, gt=0, le=1, description="expected monitor pass rate, a number in (0, 1]")
-    margin: float = Field(0.2, ge=0, lt=1, description="trip when pass rate < baseline - margin; in [0, 1)")
-    cooldown_s: float = Field(60.0, gt=0, description="seconds in fallback mode before probing (> 0)")
-    probe_rate: float = Field(0.1, gt=0, le=1, description="fraction of half-open calls that probe, in (0, 1]")
-    probes_to_close: int = Field(3, ge=1, description="passing probes needed to close, an int >= 1")
+    enabled: bool = Field(default=True, description="true or false")
+    mode: SafeMode = Field(default="ntp", description="mode used while the breaker is open: ntp or verified")
+    window: int = Field(default=50, ge=1, description="recent lossy-mode generations kept per step type, an int >= 1")
+    min_samples: int = Field(default=10, ge=1, description="samples needed before the breaker may trip, an int >= 1")
+    baseline: float = Field(default=1.0, gt=0, le=1, description="expected monitor pass rate, a number in (0, 1]")
+    margin: float = Field(default=0.2, ge=0, lt=1, description="trip when pass rate < baseline - margin; in [0, 1)")
+    cooldown_s: float = Field(default=60.0, gt=0, description="seconds in fallback mode before probing (> 0)")
+    probe_rate: float = Field(default=0.1, gt=0, le=1, description="fraction of half-open calls that probe, in (0, 1]")
+    probes_to_close: int = Field(default=3, ge=1, description="passing probes needed to close, an int >= 1")
     half_open_ttl_s: float = Field(
-        600.0, gt=0, description="seconds the half-open state lasts without enough probes before it closes (> 0)"
+        default=600.0,
+        gt=0,
+        description="seconds the half-open state lasts without enough probes before it closes (> 0)",
     )
 
 
-# ------------------------------------------------------------------------------------------------------ step settings
+# ---------------------------------------------------------------------------------------------- step settings
 class StepSettings(_Section):
     """Everything that decides how one step type decodes and is checked."""
 
-    mode: PolicyMode = Field("confadapt", description="ntp, static, confadapt or verified")
+    mode: PolicyMode = Field(default="confadapt", description="ntp, static, confadapt or verified")
     threshold: float = Field(
-        0.9, ge=0, le=1, description="ConfAdapt confidence threshold tau, a number in [0, 1] (0.9 = paper default)"
+        default=0.9,
+        ge=0,
+        le=1,
+        description="ConfAdapt confidence threshold tau, a number in [0, 1] (0.9 = paper default)",
     )
-    k_max: KMax = Field(8, description=f'tokens proposed per pass: an int in [1, {K_MAX_LIMIT}] or "auto"')
-    max_new_tokens: int = Field(512, ge=1, description="an int >= 1")
+    k_max: KMax = Field(default=8, description=f'tokens proposed per pass: an int in [1, {K_MAX_LIMIT}] or "auto"')
+    max_new_tokens: int = Field(default=512, ge=1, description="an int >= 1")
     max_time_s: float | None = Field(
-        None, gt=0, description="per-attempt deadline in seconds enforced in the decode loop (> 0), or null"
+        default=None,
+        gt=0,
+        description="per-attempt deadline in seconds enforced in the decode loop (> 0), or null",
     )
-    temperature: float = Field(0.0, ge=0, description="0 = greedy, or a number > 0")
+    temperature: float = Field(default=0.0, ge=0, description="0 = greedy, or a number > 0")
     drafts: list[DraftSource] = Field(
-        default_factory=lambda: ["mtp", "ngram"], description="draft sources for verified mode: mtp and/or ngram"
+        default_factory=_default_drafts,
+        description="draft sources for verified mode: mtp and/or ngram",
     )
     target_agreement: float | None = Field(
-        None, gt=0, le=1, description="calibration target: accepted tokens agree with NTP at least this often, (0, 1]"
+        default=None,
+        gt=0,
+        le=1,
+        description="calibration target: accepted tokens agree with NTP at least this often, (0, 1]",
     )
     retries: RetrySettings = RetrySettings()
     monitors: MonitorSettings = MonitorSettings()
@@ -173,23 +200,23 @@ class StepSettings(_Section):
         return DecodeConfig(**fields)
 
 
-# ------------------------------------------------------------------------------------------------------ classification
+# --------------------------------------------------------------------------------------------- classification
 class RuleCondition(_Section):
     """All conditions that are set must hold (AND); a list means any of its values."""
 
-    tools_bound: bool | None = Field(None, description="true or false")
-    tool_choice: list[ToolChoiceKind] | None = Field(None, description="list of unset, none, auto, any, named")
-    structured_output: bool | None = Field(None, description="true or false")
-    last_role: list[Role] | None = Field(None, description="list of system, user, assistant, tool")
-    min_messages: int | None = Field(None, ge=0, description="an int >= 0")
-    max_messages: int | None = Field(None, ge=0, description="an int >= 0")
-    tool_names: list[str] | None = Field(None, description="list of tool names; matches when any is bound")
+    tools_bound: bool | None = Field(default=None, description="true or false")
+    tool_choice: list[ToolChoiceKind] | None = Field(default=None, description="list of unset, none, auto, any, named")
+    structured_output: bool | None = Field(default=None, description="true or false")
+    last_role: list[Role] | None = Field(default=None, description="list of system, user, assistant, tool")
+    min_messages: int | None = Field(default=None, ge=0, description="an int >= 0")
+    max_messages: int | None = Field(default=None, ge=0, description="an int >= 0")
+    tool_names: list[str] | None = Field(default=None, description="list of tool names; matches when any is bound")
 
 
 class ClassificationRule(_Section):
     step_type: StepName = Field(description="a step type name (lower case, digits, underscores)")
     when: RuleCondition = Field(description="conditions on the agent context")
-    name: str = Field("", description="a label shown in the decision")
+    name: str = Field(default="", description="a label shown in the decision")
 
 
 def _default_rules() -> list[ClassificationRule]:
@@ -213,16 +240,17 @@ class ClassificationSettings(_Section):
     rules: list[ClassificationRule] = Field(
         default_factory=_default_rules, description="rules tried in order; the first match decides"
     )
-    default: StepName = Field("final_answer", description="step type when no rule matches")
+    default: StepName = Field(default="final_answer", description="step type when no rule matches")
 
 
-# ------------------------------------------------------------------------------------------------------------ policy
+# ----------------------------------------------------------------------------------------------------- policy
 class Policy(_Section):
-    """A whole policy file. Build it from YAML with :func:`agent_mtp.policy.load_policy` (errors name the line)."""
+    """A whole policy file. Build it from YAML with :func:`agent_mtp.policy.load_policy` (errors name the
+    line)."""
 
-    version: Literal[1] = Field(1, description="1")
-    name: str = Field("custom", description="a label used in telemetry and breaker keys")
-    description: str = Field("", description="free text")
+    version: Literal[1] = Field(default=1, description="1")
+    name: str = Field(default="custom", description="a label used in telemetry and breaker keys")
+    description: str = Field(default="", description="free text")
     defaults: StepSettings = StepSettings()
     steps: dict[StepName, StepSettings] = Field(
         default_factory=dict, description="per-step-type overrides of `defaults`, keyed by step type"
@@ -275,18 +303,17 @@ def semantic_problems(policy: Policy) -> list[Problem]:
     declared = set(BUILTIN_STEP_TYPES) | set(policy.steps)
     for i, rule in enumerate(policy.classification.rules):
         if rule.step_type not in declared:
-            problems.append(
-                (("classification", "rules", i, "step_type"), _undeclared(rule.step_type, declared))
-            )
+            problems.append((("classification", "rules", i, "step_type"), _undeclared(rule.step_type, declared)))
         when = rule.when
         if when.min_messages is not None and when.max_messages is not None and when.min_messages > when.max_messages:
             problems.append(
-                (("classification", "rules", i, "when", "min_messages"), "min_messages must be <= max_messages")
+                (
+                    ("classification", "rules", i, "when", "min_messages"),
+                    "min_messages must be <= max_messages",
+                )
             )
     if policy.classification.default not in declared:
-        problems.append(
-            (("classification", "default"), _undeclared(policy.classification.default, declared))
-        )
+        problems.append((("classification", "default"), _undeclared(policy.classification.default, declared)))
     for name in ["defaults", *policy.steps]:
         settings = policy.defaults if name == "defaults" else policy.effective(name)
         prefix: tuple[str | int, ...] = ("defaults",) if name == "defaults" else ("steps", name)
@@ -296,8 +323,8 @@ def semantic_problems(policy: Policy) -> list[Problem]:
 
 def _undeclared(name: str, declared: set[str]) -> str:
     return (
-        f"step type {name!r} is not declared: add it under `steps:` (an empty mapping `{name}: {{}}` uses the "
-        f"defaults) or use one of {', '.join(sorted(declared))}"
+        f"step type {name!r} is not declared: add it under `steps:` (an empty mapping "
+        f"`{name}: {{}}` uses the defaults) or use one of {', '.join(sorted(declared))}"
     )
 
 
@@ -310,7 +337,10 @@ def _step_problems(settings: StepSettings) -> list[Problem]:
         )
     if fb.margin >= fb.baseline:
         problems.append(
-            (("fallback", "margin"), f"margin ({fb.margin}) must be < baseline ({fb.baseline}) or it never trips")
+            (
+                ("fallback", "margin"),
+                f"margin ({fb.margin}) must be < baseline ({fb.baseline}) or it never trips",
+            )
         )
     try:
         settings.decode_config()
