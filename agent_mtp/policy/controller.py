@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import math
 import random
+import re
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -407,7 +408,7 @@ class PolicyController:
             mode=config.mode,
             outcome=outcome,
             latency_s=self._clock() - plan.started_at,
-            model=str(getattr(self.engine, "model_id", "default")),
+            model=model_label(str(getattr(self.engine, "model_id", "default"))),
             new_tokens=stats.new_tokens if stats else 0,
             forward_passes=stats.forward_passes if stats else 0,
             attempts=max(len(attempts), 1),
@@ -561,3 +562,10 @@ def _attempt_summary(record: AttemptRecord) -> str:
         status = f"timeout; {status}"
     tpf = record.result.stats.tokens_per_forward
     return f"{head}: {record.result.finish_reason}, {tpf:.2f} tokens/forward, {status}"
+
+
+def model_label(model_id: str) -> str:
+    """A metrics-safe label for a model id: hub ids stay as they are, local paths lose their leading slashes and
+    characters that cannot appear in a telemetry key."""
+    label = re.sub(r"[^A-Za-z0-9_.\-/]", "_", model_id).lstrip("/._-")[:128]
+    return label or "model"

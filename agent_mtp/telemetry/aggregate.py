@@ -55,7 +55,10 @@ SCRIPT_ERRORS = "script_errors"
 UNVERIFIED_BATCHES = "unverified_batches"
 RECORD_ERRORS = "record_errors"
 
-_INTERVENTION_FIELDS = {"manual_intervention": MANUAL_INTERVENTIONS, "user_visible_failure": USER_VISIBLE_FAILURES}
+_INTERVENTION_FIELDS = {
+    "manual_intervention": MANUAL_INTERVENTIONS,
+    "user_visible_failure": USER_VISIBLE_FAILURES,
+}
 _FUTURE_SLACK_S = 60.0
 _NOTE_CHARS = 500
 
@@ -108,10 +111,10 @@ def _seconds(value: object) -> float | None:
 class Batch:
     """What one flush sends: series aggregates, health counters and intervention notes, under one flush id.
 
-    A batch keeps its flush id until Redis acknowledges it, so a retry after an ambiguous failure is recognised as
-    a duplicate. When the backlog is over its bound the batch is "husked": its series are removed and counted as
-    dropped in its own health counters, and the husk is still sent under the same id (so the drop is counted iff
-    the original was never applied).
+    A batch keeps its flush id until Redis acknowledges it, so a retry after an ambiguous failure is
+    recognised as a duplicate. When the backlog is over its bound the batch is "husked": its series are
+    removed and counted as dropped in its own health counters, and the husk is still sent under the same id
+    (so the drop is counted if and only if the original was never applied).
     """
 
     series: dict[SeriesKey, Aggregate]
@@ -135,8 +138,11 @@ class Batch:
             agg.counts.get(MANUAL_INTERVENTIONS, 0) + agg.counts.get(USER_VISIBLE_FAILURES, 0)
             for agg in self.series.values()
         )
-        for name, value in ((DROPPED_BUCKETS, dropped), (DROPPED_REQUESTS, requests),
-                            (DROPPED_INTERVENTIONS, interventions)):
+        for name, value in (
+            (DROPPED_BUCKETS, dropped),
+            (DROPPED_REQUESTS, requests),
+            (DROPPED_INTERVENTIONS, interventions),
+        ):
             if value:
                 self.health[name] = self.health.get(name, 0) + value
         self.series = {}
@@ -270,9 +276,13 @@ class Pending:
         if len(self.notes) < self.note_limit:
             self.notes.append(intervention_note(event))
 
+    @property
+    def empty(self) -> bool:
+        return not self.series and not self.health and not self.notes
+
     def take(self) -> Batch | None:
         """Move everything aggregated so far into a new batch (None when there is nothing to send)."""
-        if not self.series and not self.health and not self.notes:
+        if self.empty:
             return None
         batch = Batch(self.series, self.health, self.notes, bucket_start(time.time()))
         self.series, self.health, self.notes = {}, {}, []

@@ -22,7 +22,7 @@ ENV_REDIS_URL = "AGENT_MTP_REDIS_URL"
 ENV_NAMESPACE = "AGENT_MTP_TELEMETRY_NAMESPACE"
 
 BUCKET_S = 10
-"""Width of one time bucket in seconds. Fixed so that every writer and reader of a namespace agree on the keys."""
+"""Width of one time bucket in seconds; fixed so that every writer and reader of a namespace agree on keys."""
 
 WINDOWS: dict[str, int] = {"1m": 60, "5m": 300, "1h": 3600}
 """The named windows of the dashboard; :func:`parse_window` also accepts other ``<n>s|m|h`` values."""
@@ -35,7 +35,7 @@ _WINDOW = re.compile(r"([1-9][0-9]*)([smh])")
 INVALID_PART = "_invalid_"
 """Stands in for a key part from an event that failed validation (the event is still counted)."""
 OVERFLOW_PART = "_overflow_"
-"""Stands in for series beyond ``max_series_per_bucket`` (the event is still counted)."""
+"""Stands in for series beyond ``max_series_per_flush`` (the event is still counted)."""
 NO_MODE = "-"
 """Mode part of the series that hold interventions (they belong to a run, not to a decode mode)."""
 
@@ -45,7 +45,7 @@ class TelemetryConfig:
     """How a :class:`~agent_mtp.telemetry.Telemetry` recorder buffers, flushes and names its data."""
 
     redis_url: str | None = field(default=None, repr=False)
-    """Redis to write to; ``None`` keeps telemetry in memory. Never shown in reprs or logs with its password."""
+    """Redis to write to; ``None`` keeps telemetry in memory. Shown in reprs and logs without its password."""
     namespace: str = "agent_mtp"
     """Prefix shared by all workers of one fleet; readers must use the same one."""
     flush_interval_s: float = 2.0
@@ -53,13 +53,13 @@ class TelemetryConfig:
     retention_s: int = 7200
     """TTL of every bucket key in Redis (and how long the in-memory store keeps buckets)."""
     max_backlog_buckets: int = 5000
-    """Most (time bucket x series) aggregates kept while Redis is unreachable; older ones are dropped and counted."""
-    max_series_per_bucket: int = 512
-    """Most distinct (model, step type, mode) series per time bucket and process; extra ones go to ``_overflow_``."""
+    """Most (time bucket x series) aggregates kept while Redis is down; older ones are dropped and counted."""
+    max_series_per_flush: int = 512
+    """Most distinct (bucket, model, step type, mode) series a flush; more go to ``_overflow_``."""
     socket_timeout_s: float = 1.0
     """Connect and read timeout of the Redis client built from ``redis_url`` (bounds one flush attempt)."""
     dedupe_ttl_s: int = 86400
-    """How long Redis remembers a flush id; a retry of a batch is recognised as a duplicate within this time."""
+    """How long Redis remembers a flush id: a retried batch is recognised as a duplicate within this time."""
     intervention_log_size: int = 1000
     """Most recent interventions kept in the Redis list shown by the dashboard."""
 
@@ -72,13 +72,16 @@ class TelemetryConfig:
         if self.retention_s < max(WINDOWS.values()) + BUCKET_S:
             msg = f"retention_s={self.retention_s} is shorter than the 1h window; use at least 3610"
             raise TelemetryError(msg)
-        for name in ("max_backlog_buckets", "max_series_per_bucket", "dedupe_ttl_s", "intervention_log_size"):
+        for name in ("max_backlog_buckets", "max_series_per_flush", "dedupe_ttl_s", "intervention_log_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 msg = f"{name}={value!r} must be a positive integer"
                 raise TelemetryError(msg)
         if self.dedupe_ttl_s < self.retention_s:
-            msg = f"dedupe_ttl_s={self.dedupe_ttl_s} must be >= retention_s={self.retention_s} for idempotent retries"
+            msg = (
+                f"dedupe_ttl_s={self.dedupe_ttl_s} must be >= retention_s={self.retention_s} "
+                "so that retries stay idempotent"
+            )
             raise TelemetryError(msg)
 
     def __repr__(self) -> str:
@@ -91,7 +94,7 @@ class TelemetryConfig:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> TelemetryConfig:
-        """Settings from ``AGENT_MTP_REDIS_URL`` / ``AGENT_MTP_TELEMETRY_NAMESPACE``; keyword overrides win."""
+        """Settings from ``AGENT_MTP_REDIS_URL`` / ``AGENT_MTP_TELEMETRY_NAMESPACE``; keywords override."""
         values: dict[str, Any] = dict(load_env(environ))
         values.update(overrides)
         return cls(**values)
@@ -163,7 +166,7 @@ def redact_url(url: str) -> str:
 
 
 def url_secrets(url: str | None) -> tuple[str, ...]:
-    """The secret strings in ``url`` (password, lone userinfo, ``password=`` values) for scrubbing messages."""
+    """Secret strings in ``url`` (password, lone userinfo, ``password=`` values), to scrub from messages."""
     if not url:
         return ()
     secrets: list[str] = []
@@ -214,7 +217,7 @@ def validate_namespace(value: object) -> str:
 
 
 def parse_window(window: str | int) -> int:
-    """Window length in seconds from ``"1m"``, ``"5m"``, ``"1h"`` (or ``"<n>s|m|h"``, or an int of seconds)."""
+    """Window length in seconds from ``"1m"``, ``"5m"``, ``"1h"``, ``"<n>s|m|h"`` or an int of seconds."""
     if isinstance(window, int) and not isinstance(window, bool):
         seconds = window
     else:

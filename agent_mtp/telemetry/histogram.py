@@ -1,10 +1,11 @@
 """Log-linear latency histogram whose buckets are the same in every process, so counts merge exactly.
 
-A latency is cut to two significant digits on a 0.1 ms grid: 1.0-1.1 ms, 1.1-1.2 ms, ... 9.9-10 ms, 10-11 ms, ...
-99-100 ms, 100-110 ms, ... (90 linear buckets per decade, 1 ms to 10^5 s) plus one bucket below 1 ms and one
-overflow bucket. Merging = adding counts per bucket index, so the percentile of merged histograms is exactly the
-percentile of one histogram fed every sample. A reported percentile is the upper edge of the bucket that holds the
-nearest-rank sample: never below the true value and at most 10% above it (1 ms absolute below 1 ms).
+A latency is cut to two significant digits on a 0.1 ms grid: 1.0-1.1 ms, 1.1-1.2 ms, ... 9.9-10 ms,
+10-11 ms, ... 99-100 ms, 100-110 ms, ... (90 linear buckets per decade, 1 ms to 10^5 s) plus one bucket
+below 1 ms and one overflow bucket. Merging = adding counts per bucket index, so the percentile of merged
+histograms is exactly the percentile of one histogram fed every sample. A reported percentile is the upper
+edge of the bucket that holds the nearest-rank sample: never below the true value and at most 10% above it
+(at most 1 ms above it below 1 ms).
 """
 
 from __future__ import annotations

@@ -1,13 +1,14 @@
-"""The Lua script that applies one flush batch atomically and at most once per flush id (Redis 7, no modules).
+"""The Lua script that applies one flush batch atomically, at most once per flush id (Redis 7, no modules).
 
 KEYS[1] flush-id marker, KEYS[2] health hash, KEYS[3] writers set, KEYS[4] recent-interventions list,
 KEYS[3 + 2i] / KEYS[4 + 2i] series hash / bucket index set of series i (1-based).
 ARGV[1] marker TTL, ARGV[2] bucket TTL, ARGV[3] writer id, ARGV[4] intervention list size,
-ARGV[5] JSON {"health": {field: "n"}, "notes": ["json", ...], "series": [{"m": member, "i": {f: "n"}, "f": {f: "x"}}]}.
-Numbers travel as strings so Lua never reformats them (Lua 5.1 prints 1e15 as "1e+15", which HINCRBY rejects).
+ARGV[5] JSON {"health": {field: "n"}, "notes": ["json", ...],
+              "series": [{"m": member, "i": {field: "n"}, "f": {field: "x"}}]}.
+Numbers travel as strings so Lua never reformats them (Lua 5.1 prints 1e15 as "1e+15": HINCRBY rejects it).
 
-The marker is set first: if a later command failed (a foreign key of the wrong type), a retry is still a no-op, so
-a batch is never applied twice. Returns 1 when applied, 0 when the flush id was seen before.
+The marker is set first: if a later command failed (a foreign key of the wrong type), a retry is still a
+no-op, so a batch is never applied twice. Returns 1 when applied, 0 when the flush id was seen before.
 """
 
 from __future__ import annotations

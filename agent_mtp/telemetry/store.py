@@ -2,12 +2,12 @@
 
 Redis key schema (all keys share the hash tag ``{namespace}``, so a Redis Cluster keeps them in one slot):
 
-    {ns}:t:s:<bucket>:<model>:<step_type>:<mode>   hash   counters, float sums, h:<i> latency histogram
-    {ns}:t:i:<bucket>                              set    members "<model>:<step_type>:<mode>" of that bucket
-    {ns}:t:h:<bucket>                              hash   health counters (dropped buckets, invalid input, ...)
-    {ns}:t:w:<bucket>                              set    writer ids ("host:pid") that flushed in that bucket
-    {ns}:t:n                                       list   recent interventions (JSON, newest first)
-    {ns}:t:f:<flush_id>                            string marker that makes a flush idempotent
+    {ns}:t:s:<bucket>:<model>:<step_type>:<mode>  hash    counters, float sums, h:<i> latency histogram
+    {ns}:t:i:<bucket>                             set     members "<model>:<step_type>:<mode>" of a bucket
+    {ns}:t:h:<bucket>                             hash    health counters (dropped buckets, bad input, ...)
+    {ns}:t:w:<bucket>                             set     writer ids ("host:pid") that flushed in a bucket
+    {ns}:t:n                                      list    recent interventions (JSON, newest first)
+    {ns}:t:f:<flush_id>                           string  marker that makes a flush idempotent
 
 ``<bucket>`` is the bucket start in whole epoch seconds. Every key has a TTL (``retention_s``; markers
 ``dedupe_ttl_s``).
@@ -20,7 +20,7 @@ import threading
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import redis
 from redis.backoff import NoBackoff
@@ -30,8 +30,10 @@ from agent_mtp.telemetry.aggregate import Aggregate, Batch, SeriesKey
 from agent_mtp.telemetry.config import TelemetryConfig, redact_url
 from agent_mtp.telemetry.lua import FLUSH_SCRIPT
 
-WriteResult = Literal["applied", "duplicate", "error"]
-_PIPELINE_ERRORS = (redis.RedisError, OSError)
+WriteResult = Literal["applied", "duplicate"]
+"""Per batch: applied now, or applied before under the same flush id (a failed script is an Exception)."""
+STORE_ERRORS = (redis.RedisError, OSError)
+"""What a failing store raises (connection refused, timeout, auth, read-only replica, ...)."""
 
 
 @dataclass
@@ -44,11 +46,12 @@ class WindowData:
     notes: list[dict[str, Any]] = field(default_factory=list)
 
 
+@runtime_checkable
 class Store(Protocol):
     target: str
     """Where the data goes, for messages (a Redis URL with its password redacted, or ``memory``)."""
 
-    def write(self, batches: Sequence[Batch], writer: str) -> list[WriteResult]: ...
+    def write(self, batches: Sequence[Batch], writer: str) -> list[WriteResult | Exception]: ...
 
     def ping(self) -> None: ...
 
@@ -140,8 +143,8 @@ class RedisStore:
         ]
         return keys, args
 
-    def write(self, batches: Sequence[Batch], writer: str) -> list[WriteResult]:
-        """Apply batches in one pipeline. Raises redis/OS errors when the connection fails (outcome unknown)."""
+    def write(self, batches: Sequence[Batch], writer: str) -> list[WriteResult | Exception]:
+        """Apply batches in one pipeline; raises redis/OS errors if the connection fails (outcome unknown)."""
         pipe = self.client.pipeline(transaction=False)
         for batch in batches:
             keys, args = self._script_call(batch, writer)
@@ -174,15 +177,15 @@ class RedisStore:
         pipe = self.client.pipeline(transaction=False)
         for key in keys:
             pipe.hgetall(self.series_key(key))
-        for key, fields in zip(keys, pipe.execute()):
+        for key, fields in zip(keys, pipe.execute(), strict=True):
             if fields:
                 data.series.append((key, {_text(k): _number(v) for k, v in fields.items()}))
         return data
 
 
-def _write_result(reply: object) -> WriteResult:
+def _write_result(reply: object) -> WriteResult | Exception:
     if isinstance(reply, Exception):
-        return "error"
+        return reply
     return "applied" if reply == 1 else "duplicate"
 
 
@@ -221,7 +224,11 @@ class MemoryStore:
         self._writers: dict[int, set[str]] = {}
         self._notes: deque[str] = deque(maxlen=config.intervention_log_size)
 
-    def write(self, batches: Sequence[Batch], writer: str) -> list[WriteResult]:
+    def reset_lock(self) -> None:
+        """After fork: the parent's flusher may have held the lock at that moment."""
+        self._lock = threading.Lock()
+
+    def write(self, batches: Sequence[Batch], writer: str) -> list[WriteResult | Exception]:
         with self._lock:
             return [self._apply(batch, writer) for batch in batches]
 

@@ -331,3 +331,13 @@ def test_metadata_is_json_ready() -> None:
     json.dumps(meta)
     assert meta["attempts"] == 2 and meta["fallback"] is True and meta["breaker"] == "closed"
     assert meta["attempt_details"][0]["monitors"][0]["passed"] is False
+
+
+def test_model_label_is_a_valid_telemetry_key_part():
+    from agent_mtp.policy.controller import model_label
+    from agent_mtp.telemetry.config import is_valid_key_part
+
+    for model_id in ("SmolLM2-135M-Instruct", "org/model", "/tmp/my models/x:1", "::", "a" * 300):
+        label = model_label(model_id)
+        assert is_valid_key_part(label), (model_id, label)
+    assert model_label("org/model") == "org/model"
