@@ -47,8 +47,8 @@ _SHIFTS = torch.arange(32, dtype=torch.int32)
 class GrammarSpec:
     """What to constrain to, as a hashable value (the compile cache key).
 
-    ``source`` is a JSON schema (as canonical JSON text), an EBNF grammar, or an xgrammar structural tag as
-    JSON.
+    ``source`` is a JSON schema as JSON text (keys in their given order: property order is the order the grammar
+    enforces, so it must not be sorted), an EBNF grammar, or an xgrammar structural tag as JSON.
     """
 
     kind: GrammarKind
@@ -58,7 +58,7 @@ class GrammarSpec:
 
     @classmethod
     def json_schema(cls, schema: Mapping[str, Any] | str, *, strict: bool = True) -> GrammarSpec:
-        text = schema if isinstance(schema, str) else json.dumps(schema, sort_keys=True, ensure_ascii=False)
+        text = schema if isinstance(schema, str) else json.dumps(schema, ensure_ascii=False)
         return cls("json_schema", text, strict)
 
     @classmethod
@@ -72,16 +72,18 @@ class GrammarSpec:
 
     @classmethod
     def structural_tag(cls, tag: Mapping[str, Any] | str) -> GrammarSpec:
-        text = tag if isinstance(tag, str) else json.dumps(tag, sort_keys=True, ensure_ascii=False)
+        text = tag if isinstance(tag, str) else json.dumps(tag, ensure_ascii=False)
         return cls("structural_tag", text)
 
 
-JSON_SEPARATORS = (",", ":")
-"""The compact JSON layout every schema grammar here uses (one layout means long jump-forward strings)."""
+JSON_SEPARATORS = (", ", ": ")
+"""The one JSON layout every schema grammar here uses: ``json.dumps``'s default, on one line. One fixed layout
+means long jump-forward strings; this one is what small models read and write best (after ``"input": `` the
+default model copies a number from the question, after the compact ``"input":`` it opens a nested object)."""
 
 
 def json_schema_ebnf(schema: Mapping[str, Any], *, strict: bool = True) -> str:
-    """The EBNF of a JSON schema in the compact layout (to embed a schema inside a larger grammar)."""
+    """The EBNF of a JSON schema in the :data:`JSON_SEPARATORS` layout (to embed it in a larger grammar)."""
     import xgrammar as xgr
 
     try:
