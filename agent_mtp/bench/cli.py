@@ -1,10 +1,12 @@
-"""`agent-mtp bench`: variants side by side, table + JSON."""
+"""`agent-mtp bench` (variants side by side: speed, quality, JSON, plots) and `agent-mtp ab` (two policies)."""
 
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.table import Table
@@ -21,66 +23,339 @@ from agent_mtp.cli_common import (
     threads_in_use,
 )
 
+if TYPE_CHECKING:
+    from agent_mtp.bench.ab import ABReport
+    from agent_mtp.bench.core import BenchReport, VariantSummary
+
+
+FALLBACK_K_MAX = 8
+"""k_max of the engine variants when the model has no adapter (and --k-max is not given)."""
+DEFAULT_LIMIT = 4
+"""Prompts per suite of the default run (6 suites x 4 = 24 prompts, 13 variants: under 20 minutes on 2 cores)."""
+
 
 def register(app: typer.Typer) -> None:
     app.command()(bench)
+    app.command()(ab)
 
 
 def bench(
-    suite: Annotated[str, typer.Option(help="Shipped suite name or a .jsonl path.")] = "quick",
-    thresholds: Annotated[str, typer.Option(help="Comma-separated ConfAdapt thresholds.")] = "0.9",
-    k_max: Annotated[int, typer.Option("--k-max")] = 8,
-    repeats: int = 1,
-    json_out: Annotated[Path | None, typer.Option("--json-out", help="Write the full report as JSON.")] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON instead of a table.")] = False,
+    quick: Annotated[bool, typer.Option("--quick", help="The quick suite and five variants (< 3 minutes).")] = False,
+    suite: Annotated[
+        str | None,
+        typer.Option(help="Suite, group (agent, full) or .jsonl path; comma-separate several. Default: full."),
+    ] = None,
+    variants: Annotated[
+        str | None,
+        typer.Option(
+            help="Comma-separated variants: hf-generate-fp32, hf-generate-bf16, hf-prompt-lookup, ntp, static-<k>, "
+            "confadapt-<tau>[-auto], verified[-mtp|-ngram][-auto]. Default: all of them with the threshold sweep."
+        ),
+    ] = None,
+    thresholds: Annotated[
+        str, typer.Option(help="ConfAdapt threshold sweep of the default variants.")
+    ] = "0.6,0.8,0.9,0.95",
+    k_max: Annotated[
+        int | None,
+        typer.Option("--k-max", help="k_max of the engine variants (not -auto); default: the adapter's trained k."),
+    ] = None,
+    repeats: Annotated[int, typer.Option(help="Runs per prompt and variant.")] = 1,
+    limit: Annotated[
+        int | None,
+        typer.Option(help=f"Prompts per suite, at most; 0 = all (default: {DEFAULT_LIMIT} for the full suite)."),
+    ] = None,
+    grammar: Annotated[bool, typer.Option(help="Constrain tool-call / schema prompts like AgentMTPChat does.")] = True,
+    out_dir: Annotated[
+        Path | None, typer.Option("--out", help="Folder for bench.json, frontier.png and suites.png.")
+    ] = Path("agent-mtp-bench"),
+    json_out: Annotated[Path | None, typer.Option("--json-out", help="Also write the full report here.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the summaries as JSON instead of tables.")] = False,
     model: ModelOpt = "default",
     adapter: AdapterOpt = None,
     dtype: DtypeOpt = "float32",
     threads: ThreadsOpt = None,
 ) -> None:
-    """HF generate, engine ntp, confadapt and verified side by side: tokens/s, tokens/forward, ratios to HF."""
+    """HF generate (fp32, bf16, prompt lookup) and engine modes side by side on agent prompt suites.
+
+    Speed (tokens/s, tokens/forward, TTFT, P50/P95, ratios to HF generate) and quality (tool-call validity and
+    exact match, agreement with NTP, base-model NLL, repetition) are reported separately.
+    """
     from rich.progress import Progress
 
-    from agent_mtp.bench.core import default_variants, load_suite, run_bench
+    from agent_mtp.bench.core import DEFAULT_VARIANTS, QUICK_VARIANTS, run_bench, variants_from_names
+    from agent_mtp.bench.suites import describe, load_suite
 
     set_threads(threads)
+    names = _variant_names(variants, quick=quick, thresholds=thresholds, defaults=(QUICK_VARIANTS, DEFAULT_VARIANTS))
+    variants_from_names(names)  # fail on a bad name before loading the model
+    if limit is None and suite is None and not quick:
+        limit = DEFAULT_LIMIT
+    prompts = _limit(load_suite(suite or ("quick" if quick else "full")), limit)
     engine = load_engine(model, adapter, dtype)
-    prompts = load_suite(suite)
-    taus = [float(t) for t in thresholds.split(",") if t.strip()]
-    variants = default_variants(thresholds=taus, k_max=k_max)
-    with Progress(console=console, transient=True) as progress:
-        task = progress.add_task("benchmarking", total=len(prompts) * len(variants) * repeats)
-        report = run_bench(engine, prompts, variants, repeats=repeats, on_run=lambda _: progress.advance(task))
-    if json_out:
-        json_out.write_text(json.dumps(report.to_dict(), indent=2))
-    if as_json:
-        out.print_json(json.dumps({"machine": report.machine, "summaries": report.to_dict()["summaries"]}))
-        return
-    table = Table(
-        title=f"agent-mtp bench: suite={suite}, {len(prompts)} prompts x {repeats}, {threads_in_use()} threads"
+    k = k_max or (engine.adapter.config.k_max_trained if engine.adapter is not None else FALLBACK_K_MAX)
+    chosen = variants_from_names(names, k_max=k)
+    console.print(
+        f"[bold]{engine.model_id}[/bold] ({dtype}, {'MTP adapter' if engine.adapter else 'no adapter'}), "
+        f"{threads_in_use()} threads; prompts {describe(prompts)}; {len(chosen)} variants x {repeats}, k_max {k}"
     )
-    for col in (
-        "variant",
-        "tokens",
-        "tokens/s",
-        "tokens/forward",
-        "x HF generate",
-        "TTFT s",
-        "P50 s",
-        "P95 s",
-        "= NTP",
-    ):
-        table.add_column(col, justify="left" if col == "variant" else "right")
-    for s in report.summaries:
+    with Progress(console=console, transient=True) as progress:
+        timed = progress.add_task("generating", total=len(prompts) * len(chosen) * repeats)
+        scored = progress.add_task("scoring", total=len(prompts) * len(chosen) * repeats)
+        report = run_bench(
+            engine,
+            prompts,
+            chosen,
+            repeats=repeats,
+            grammar=grammar,
+            on_run=lambda _: progress.advance(timed),
+            on_score=lambda done, _total: progress.update(scored, completed=done),
+        )
+    report.settings["k_max"] = k
+    written = _write_outputs(report, out_dir, json_out)
+    if as_json:
+        data = report.to_dict()
+        out.print_json(json.dumps({k: data[k] for k in ("machine", "settings", "summaries", "suite_summaries")}))
+    else:
+        title = f"{len(prompts)} prompts x {repeats}, {threads_in_use()} threads"
+        out.print(speed_table(report.summaries, f"speed ({title})"))
+        out.print(quality_table(report.summaries, "quality (vs NTP = the base model's own greedy output)"))
+        out.print(suite_table(report))
+    for path in written:
+        console.print(f"wrote {path}")
+
+
+def _variant_names(
+    variants: str | None, *, quick: bool, thresholds: str, defaults: tuple[Sequence[str], Sequence[str]]
+) -> list[str]:
+    if variants:
+        return [v.strip() for v in variants.split(",") if v.strip()]
+    if quick:
+        return list(defaults[0])
+    taus = [float(t) for t in thresholds.split(",") if t.strip()]
+    base = [v for v in defaults[1] if not v.startswith("confadapt-")]
+    at = base.index("verified") if "verified" in base else len(base)
+    return [*base[:at], *(f"confadapt-{t:g}" for t in taus), *base[at:]]
+
+
+def _limit(prompts: list[Any], limit: int | None) -> list[Any]:
+    if not limit:
+        return prompts
+    seen: dict[str, int] = {}
+    kept = []
+    for p in prompts:
+        seen[p.suite] = seen.get(p.suite, 0) + 1
+        if seen[p.suite] <= limit:
+            kept.append(p)
+    return kept
+
+
+def _write_outputs(report: BenchReport, out_dir: Path | None, json_out: Path | None) -> list[Path]:
+    from agent_mtp.bench.markdown import report_markdown
+    from agent_mtp.bench.plots import write_plots
+
+    written: list[Path] = []
+    text = json.dumps(report.to_dict(), indent=1)
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "bench.json").write_text(text)
+        (out_dir / "bench.md").write_text(report_markdown(report))
+        written += [out_dir / "bench.json", out_dir / "bench.md", *write_plots(report, out_dir)]
+    if json_out is not None:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(text)
+        written.append(json_out)
+    return written
+
+
+# -- tables ------------------------------------------------------------------------------------------------------
+def _f(value: float, fmt: str = ".2f", suffix: str = "") -> str:
+    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:{fmt}}{suffix}"
+
+
+def _pct(value: float) -> str:
+    return _f(value * 100 if value == value else value, ".0f", "%")
+
+
+def _table(title: str, columns: Sequence[str]) -> Table:
+    table = Table(title=title)
+    for i, col in enumerate(columns):
+        table.add_column(col, justify="left" if i == 0 else "right", no_wrap=i == 0)
+    return table
+
+
+def speed_table(summaries: Sequence[VariantSummary], title: str) -> Table:
+    table = _table(
+        title,
+        ("variant", "tokens", "tokens/s", "x HF", "tokens/fwd", "TTFT ms", "x HF", "P50 s", "x HF", "P95 s", "x HF"),
+    )
+    for s in summaries:
         table.add_row(
             s.variant,
             str(s.tokens),
-            f"{s.tokens_per_s:.1f}",
-            f"{s.tokens_per_forward:.2f}",
-            f"{s.speedup_vs_hf:.2f}",
-            f"{s.ttft_s:.3f}",
-            f"{s.p50_latency_s:.2f}",
-            f"{s.p95_latency_s:.2f}",
-            f"{s.ntp_match:.0%}",
+            _f(s.tokens_per_s, ".1f"),
+            _f(s.speedup_vs_hf),
+            _f(s.tokens_per_forward),
+            _f(s.ttft_s * 1000, ".0f"),
+            _f(s.ttft_vs_hf),
+            _f(s.p50_latency_s),
+            _f(s.p50_vs_hf),
+            _f(s.p95_latency_s),
+            _f(s.p95_vs_hf),
         )
-    out.print(table)
+    return table
+
+
+def quality_table(summaries: Sequence[VariantSummary], title: str) -> Table:
+    table = _table(
+        title,
+        (
+            "variant",
+            "= NTP",
+            "token agree",
+            "task agree",
+            "tool valid",
+            "tool = NTP",
+            "tool = ref",
+            "valid",
+            "task ok",
+            "NLL",
+            "rep-4",
+        ),
+    )
+    for s in summaries:
+        table.add_row(
+            s.variant,
+            _pct(s.ntp_match),
+            _pct(s.token_agreement),
+            _pct(s.task_agreement),
+            _pct(s.tool_call_valid),
+            _pct(s.tool_call_exact_vs_ntp),
+            _pct(s.tool_call_exact_vs_ref),
+            _pct(s.valid_rate),
+            _pct(s.success_rate),
+            _f(s.nll),
+            _pct(s.repetition),
+        )
+    return table
+
+
+def suite_table(report: BenchReport) -> Table:
+    suites = list(report.suite_summaries)
+    table = _table("per suite: tokens/forward | speedup vs HF generate | task agreement", ("variant", *suites))
+    for s in report.summaries:
+        cells = []
+        for suite in suites:
+            row = report.summary(s.variant, suite)
+            cells.append(
+                "-"
+                if row is None
+                else f"{_f(row.tokens_per_forward)} | {_f(row.speedup_vs_hf)}x | {_pct(row.task_agreement)}"
+            )
+        table.add_row(s.variant, *cells)
+    return table
+
+
+# -- A/B ----------------------------------------------------------------------------------------------------------
+def ab(
+    a: Annotated[str, typer.Option("--a", help="Policy A: a YAML path or a shipped name.")] = "policies/exact.yaml",
+    b: Annotated[str, typer.Option("--b", help="Policy B: a YAML path or a shipped name.")] = "policies/default.yaml",
+    suite: Annotated[str, typer.Option(help="Suite, group (agent, full) or .jsonl path.")] = "agent",
+    limit: Annotated[int | None, typer.Option(help="At most this many prompts per suite.")] = None,
+    grammar: Annotated[bool, typer.Option(help="Constrain tool-call / schema prompts like AgentMTPChat.")] = True,
+    redis_url: Annotated[
+        str | None, typer.Option("--redis-url", help="Write the runs here (default: AGENT_MTP_REDIS_URL, if set).")
+    ] = None,
+    json_out: Annotated[Path | None, typer.Option("--json-out", help="Write the full A/B report here.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the sides as JSON instead of tables.")] = False,
+    model: ModelOpt = "default",
+    adapter: AdapterOpt = None,
+    dtype: DtypeOpt = "float32",
+    threads: ThreadsOpt = None,
+) -> None:
+    """The same prompts under two policies: quality, speed and the user-facing metrics (P95, timeout ratio, retry
+    rate), side by side; the runs go to Redis when telemetry is configured, so the dashboard shows them."""
+    from rich.progress import Progress
+
+    from agent_mtp.bench.ab import run_ab
+    from agent_mtp.bench.suites import load_suite
+    from agent_mtp.telemetry import Telemetry
+
+    set_threads(threads)
+    prompts = _limit(load_suite(suite), limit)
+    engine = load_engine(model, adapter, dtype)
+    telemetry = Telemetry(redis_url) if redis_url else Telemetry()
+    with Progress(console=console, transient=True) as progress:
+        steps = progress.add_task("A/B steps", total=2 * len(prompts))
+        scored = progress.add_task("scoring", total=2 * len(prompts))
+        report = run_ab(
+            engine,
+            prompts,
+            a,
+            b,
+            recorder=telemetry,
+            grammar=grammar,
+            on_step=lambda _: progress.advance(steps),
+            on_score=lambda done, _total: progress.update(scored, completed=done),
+        )
+    flushed = telemetry.close(timeout_s=10.0)
+    if json_out is not None:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps(report.to_dict(), indent=1))
+    if as_json:
+        out.print_json(json.dumps({k: v for k, v in report.to_dict().items() if k != "steps"}))
+    else:
+        out.print(ab_table(report))
+    stats = telemetry.stats()
+    if stats.backend == "redis":
+        state = "flushed" if flushed else f"NOT fully flushed ({stats.last_error})"
+        console.print(f"telemetry: {stats.recorded_events} step events {state} to {stats.target}; `agent-mtp stats`")
+    else:
+        console.print("telemetry: in memory only (set AGENT_MTP_REDIS_URL or --redis-url to see the runs in Redis)")
+    if json_out is not None:
+        console.print(f"wrote {json_out}")
+
+
+def ab_table(report: ABReport) -> Table:
+    a, b = report.sides["a"], report.sides["b"]
+    table = _table(
+        f"A/B on {report.settings['prompts']} prompts",
+        ("", "metric", f"A: {a.policy}", f"B: {b.policy}", "B / A"),
+    )
+    rows: list[tuple[str, str, float, float, str]] = [
+        ("quality", "task agreement with NTP", a.summary.task_agreement, b.summary.task_agreement, "pct"),
+        ("quality", "token agreement with NTP", a.summary.token_agreement, b.summary.token_agreement, "pct"),
+        ("quality", "output = NTP", a.summary.ntp_match, b.summary.ntp_match, "pct"),
+        ("quality", "tool calls valid", a.summary.tool_call_valid, b.summary.tool_call_valid, "pct"),
+        ("quality", "task ok (vs reference)", a.summary.success_rate, b.summary.success_rate, "pct"),
+        ("quality", "base-model NLL / token", a.summary.nll, b.summary.nll, "num"),
+        ("quality", "repetition (rep-4)", a.summary.repetition, b.summary.repetition, "pct"),
+        ("speed", "tokens/s", a.summary.tokens_per_s, b.summary.tokens_per_s, "num"),
+        ("speed", "tokens/forward", a.summary.tokens_per_forward, b.summary.tokens_per_forward, "num"),
+        ("speed", "TTFT median s", a.summary.ttft_s, b.summary.ttft_s, "sec"),
+        ("user-facing", "P50 latency s", a.summary.p50_latency_s, b.summary.p50_latency_s, "sec"),
+        ("user-facing", "P95 latency s", a.summary.p95_latency_s, b.summary.p95_latency_s, "sec"),
+        ("user-facing", "timeout ratio", a.timeout_ratio, b.timeout_ratio, "pct"),
+        ("user-facing", "retry rate", a.retry_rate, b.retry_rate, "pct"),
+        ("user-facing", "fallback rate", a.fallback_rate, b.fallback_rate, "pct"),
+        ("user-facing", "error rate", a.error_rate, b.error_rate, "pct"),
+        ("user-facing", "monitor failure rate", a.monitor_failure_rate, b.monitor_failure_rate, "pct"),
+    ]
+    section = ""
+    for group, name, va, vb, kind in rows:
+        if group != section:
+            if section:
+                table.add_section()
+            section = group
+            label = group
+        else:
+            label = ""
+        fmt = _pct if kind == "pct" else (lambda v: _f(v, ".3f")) if kind == "sec" else _f
+        ratio = vb / va if va and not math.isnan(va) and not math.isnan(vb) else math.nan
+        table.add_row(label, name, fmt(va), fmt(vb), _f(ratio))
+    table.add_section()
+    table.add_row("policy", "modes used", _modes(a.modes), _modes(b.modes), "")
+    return table
+
+
+def _modes(modes: dict[str, int]) -> str:
+    return ", ".join(f"{m} {n}" for m, n in sorted(modes.items()))

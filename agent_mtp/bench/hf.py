@@ -1,0 +1,147 @@
+"""The peers: Hugging Face ``generate`` on the bare base model (greedy, any dtype, prompt lookup decoding).
+
+What a user would run instead of agent-mtp. The engine's MTP adapter is detached while they run (its hooks would
+otherwise add work to every forward), other dtypes use a cached copy of the bare model, forward passes are counted
+with a hook on the model (prefill included, like the engine counts them) and TTFT is the end of the first pass.
+Grammar-constrained prompts get the same constraint through a logits processor, so a constrained item is compared
+with a constrained peer.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from agent_mtp.engine.constraints import TokenConstraint
+
+
+@dataclass(frozen=True)
+class HFOutput:
+    token_ids: list[int]
+    wall_s: float
+    ttft_s: float
+    forward_passes: int
+
+
+@contextmanager
+def bare_model(engine: Any) -> Iterator[Any]:
+    """The engine's model with its MTP adapter detached for the duration (re-attached afterwards)."""
+    adapter = engine.adapter
+    if adapter is None or getattr(engine.model, "_agent_mtp_adapter", None) is None:
+        yield engine.model
+        return
+    adapter.detach(engine.model)
+    try:
+        yield engine.model
+    finally:
+        adapter.attach(engine.model, engine.mask_token_id)
+
+
+class BaselineModels:
+    """Bare models per dtype: the engine's own (adapter detached) for its dtype, a cached copy for any other."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self._copies: dict[torch.dtype, Any] = {}
+
+    @contextmanager
+    def use(self, dtype: torch.dtype | None) -> Iterator[Any]:
+        if dtype is None or dtype == self.engine.model.dtype:
+            with bare_model(self.engine) as model:
+                yield model
+            return
+        if dtype not in self._copies:
+            with bare_model(self.engine) as model:
+                self._copies[dtype] = copy.deepcopy(model).to(dtype).eval()
+        yield self._copies[dtype]
+
+
+class ConstraintLogitsProcessor:
+    """A :class:`TokenConstraint` as an HF logits processor. Stateless towards HF: before each call the constraint
+    is synchronised with the tokens generated so far (rolling back what assisted decoding rejected)."""
+
+    def __init__(self, constraint: TokenConstraint, prompt_len: int) -> None:
+        self.constraint = constraint
+        self.prompt_len = prompt_len
+        self.accepted: list[int] = []
+
+    def sync(self, generated: list[int]) -> None:
+        common = 0
+        for a, b in zip(generated, self.accepted, strict=False):
+            if a != b:
+                break
+            common += 1
+        self.constraint.rollback(len(self.accepted) - common)
+        del self.accepted[common:]
+        for token in generated[common:]:
+            if not self.constraint.accept(token):
+                break
+            self.accepted.append(token)
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.sync(input_ids[0, self.prompt_len :].tolist())
+        allowed = self.constraint.allowed_mask(scores.shape[-1]).to(scores.device)  # [V]
+        return scores.masked_fill(~allowed, float("-inf"))
+
+
+class _PassCounter:
+    """Counts top-level forward calls and notes when the first one ended."""
+
+    def __init__(self, model: Any) -> None:
+        self.calls = 0
+        self.first_end: float | None = None
+        self._handle = model.register_forward_hook(self._after)
+
+    def _after(self, module: Any, args: Any, output: Any) -> None:
+        self.calls += 1
+        if self.first_end is None:
+            self.first_end = time.perf_counter()
+
+    def remove(self) -> None:
+        self._handle.remove()
+
+
+def hf_generate(
+    engine: Any,
+    model: Any,
+    ids: list[int],
+    max_new_tokens: int,
+    *,
+    prompt_lookup: int | None = None,
+    constraint: TokenConstraint | None = None,
+) -> HFOutput:
+    """Greedy ``model.generate`` (with ``prompt_lookup_num_tokens`` when given) on ``ids``; EOS ends it."""
+    from transformers import LogitsProcessorList
+
+    eos = sorted(engine.eos_token_ids)
+    kwargs: dict[str, Any] = {}
+    if prompt_lookup:
+        kwargs["prompt_lookup_num_tokens"] = prompt_lookup
+    if constraint is not None:
+        kwargs["logits_processor"] = LogitsProcessorList([ConstraintLogitsProcessor(constraint, len(ids))])
+    counter = _PassCounter(model)
+    try:
+        start = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(
+                torch.tensor([ids], device=model.device),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=model.device),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                eos_token_id=eos,
+                pad_token_id=eos[0],
+                suppress_tokens=[engine.mask_token_id],
+                **kwargs,
+            )
+        wall = time.perf_counter() - start
+    finally:
+        counter.remove()
+    tokens = out[0, len(ids) :].tolist()  # ends with the EOS token when the model stopped, like the engine's ids
+    ttft = (counter.first_end - start) if counter.first_end is not None else float("nan")
+    return HFOutput(tokens, wall, ttft, counter.calls)

@@ -1,0 +1,193 @@
+"""`agent-mtp distill`: build the teacher data and train an MTP adapter by online self-distillation."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from agent_mtp.errors import AgentMTPError, TrainingError
+from agent_mtp.training.evaluate import EvalPrompt
+
+
+def register(app: typer.Typer) -> None:
+    """Add `distill` to the `agent-mtp` app."""
+    app.command("distill")(distill_command)
+
+
+def parse_layers(text: str | None) -> tuple[int, ...] | None:
+    """ "all" / None -> None; "8-29" -> 8..29; "0,5,7" -> (0, 5, 7)."""
+    if text is None or text.strip().lower() in ("", "all"):
+        return None
+    layers: list[int] = []
+    try:
+        for part in text.split(","):
+            if "-" in part:
+                lo, hi = (int(x) for x in part.split("-", 1))
+                layers += range(lo, hi + 1)
+            else:
+                layers.append(int(part))
+    except ValueError as e:
+        raise TrainingError(f"--layers {text!r}: use 'all', a range like '8-29', or a list like '0,4,8'.") from e
+    return tuple(sorted(set(layers)))
+
+
+def distill_command(
+    model: Annotated[str, typer.Option(help="Base model: 'default', a local dir or a hub id.")] = "default",
+    adapter: Annotated[str, typer.Option(help="gated-lora | full")] = "gated-lora",
+    rank: Annotated[int, typer.Option(help="LoRA rank.")] = 16,
+    target_modules: Annotated[str, typer.Option("--target-modules", help="Comma-separated linear names.")] = (
+        "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
+    ),
+    layers: Annotated[str, typer.Option(help="Layers with LoRA: 'all', '8-29' or '0,4,8'.")] = "all",
+    k_max: Annotated[int, typer.Option("--k-max", help="Largest block k trained (>= 2).")] = 8,
+    k_sampling: Annotated[str, typer.Option("--k-sampling", help="expected | random")] = "expected",
+    teacher: Annotated[str, typer.Option(help="hard (CE on teacher argmax) | soft (KL)")] = "hard",
+    slots: Annotated[str, typer.Option(help="all | prefix (ablation: slots up to the first miss)")] = "all",
+    steps: Annotated[int, typer.Option(help="Optimizer steps (cosine schedule length).")] = 1000,
+    lr: Annotated[float, typer.Option(help="Peak learning rate.")] = 3e-4,
+    warmup: Annotated[int, typer.Option(help="Warmup steps.")] = 20,
+    regions: Annotated[int, typer.Option(help="MTP regions per packed sequence.")] = 64,
+    seq_len: Annotated[int, typer.Option("--seq-len", help="Real tokens per packed sequence.")] = 384,
+    agent_fraction: Annotated[float, typer.Option("--agent-fraction")] = 0.8,
+    freeze_embedding_after: Annotated[int | None, typer.Option("--freeze-embedding-after")] = None,
+    bf16: Annotated[bool, typer.Option("--bf16/--fp32", help="bf16 autocast for the student pass.")] = False,
+    out: Annotated[Path, typer.Option(help="Output folder (checkpoint/, adapter/, best/, log.jsonl).")] = Path(
+        "runs/distill"
+    ),
+    resume: Annotated[Path | None, typer.Option(help="A checkpoint folder to continue from.")] = None,
+    data_dir: Annotated[Path, typer.Option("--data-dir", help="Folder with responses.jsonl.")] = Path("runs/data"),
+    build_data: Annotated[bool, typer.Option("--build-data", help="Generate missing teacher responses first.")] = False,
+    agent_prompts: Annotated[int, typer.Option("--agent-prompts", help="Agent prompts (with --build-data).")] = 800,
+    sharegpt_prompts: Annotated[int, typer.Option("--sharegpt-prompts", help="ShareGPT prompts.")] = 200,
+    max_response_tokens: Annotated[int, typer.Option("--max-response-tokens")] = 96,
+    gen_batch: Annotated[int, typer.Option("--gen-batch", help="Teacher generation batch size.")] = 32,
+    data_minutes: Annotated[float | None, typer.Option("--data-minutes", help="Cap on generation time.")] = None,
+    eval_every: Annotated[int, typer.Option("--eval-every")] = 100,
+    eval_prompts: Annotated[int, typer.Option("--eval-prompts")] = 8,
+    eval_max_new_tokens: Annotated[int, typer.Option("--eval-max-new-tokens")] = 48,
+    checkpoint_minutes: Annotated[float, typer.Option("--checkpoint-minutes")] = 5.0,
+    max_minutes: Annotated[float | None, typer.Option("--max-minutes", help="Stop training after this long.")] = None,
+    threads: Annotated[int | None, typer.Option(help="torch threads (default: torch's choice).")] = None,
+    device: Annotated[str, typer.Option(help="cpu | cuda")] = "cpu",
+    seed: int = 0,
+    no_progress: Annotated[bool, typer.Option("--no-progress", help="JSON lines instead of a bar.")] = False,
+) -> None:
+    """Train an MTP adapter by online self-distillation (the paper's hard-teacher recipe)."""
+    try:
+        _distill(**locals())
+    except AgentMTPError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from e
+    except KeyboardInterrupt:
+        typer.echo(
+            f"interrupted: checkpoint saved in {out / 'checkpoint'}; continue with --resume {out / 'checkpoint'}"
+        )
+        raise typer.Exit(130) from None
+
+
+def unseen_tool_prompts(tokenizer: object, n: int) -> list[EvalPrompt]:
+    """Tool-call prompts from a seed the training data never uses (the hash split may leave none held out)."""
+    from agent_mtp.training.agent_prompts import agent_prompts
+    from agent_mtp.training.data import _encode
+
+    prompts = [p for p in agent_prompts(7 * n, seed=EVAL_SEED) if p.kind == "tool_call"][:n]
+    return [EvalPrompt(p.kind, _encode(tokenizer, p.messages)) for p in prompts]
+
+
+EVAL_SEED = 7919
+
+
+def _distill(**o: Any) -> None:
+    import torch
+
+    from agent_mtp.engine.loading import load_model
+    from agent_mtp.training.data import build_prompts, generate_responses
+    from agent_mtp.training.objective import ObjectiveConfig
+    from agent_mtp.training.trainer import TrainConfig, Trainer, check_resume_base, load_data
+
+    if o["threads"]:
+        torch.set_num_threads(int(o["threads"]))
+    k_max = int(o["k_max"])
+    if k_max < 2:
+        raise TrainingError(f"--k-max {k_max}: MTP needs at least one mask; use 2 or more (8 is a good start).")
+    for name, allowed in (
+        ("adapter", ("gated-lora", "full")),
+        ("k_sampling", ("expected", "random")),
+        ("teacher", ("hard", "soft")),
+        ("slots", ("all", "prefix")),
+    ):
+        if o[name] not in allowed:
+            raise TrainingError(f"--{name.replace('_', '-')} {o[name]!r}: use one of {', '.join(allowed)}.")
+    device = str(o["device"])
+    if device == "cuda" and not torch.cuda.is_available():
+        raise TrainingError("--device cuda: no CUDA device is visible; use --device cpu.")
+    data_dir = Path(o["data_dir"])
+    if not o["build_data"]:
+        load_data(data_dir)  # fail before the model loads when the data is missing
+    lm = load_model(str(o["model"]))
+    model = lm.model.to(device)
+    if o["build_data"]:
+        prompts = build_prompts(
+            n_agent=int(o["agent_prompts"]), n_sharegpt=int(o["sharegpt_prompts"]), seed=int(o["seed"])
+        )
+        t0 = time.monotonic()
+        generate_responses(
+            model,
+            lm.tokenizer,
+            prompts,
+            data_dir,
+            max_new_tokens=int(o["max_response_tokens"]),
+            batch_size=int(o["gen_batch"]),
+            max_minutes=o["data_minutes"],
+            progress=lambda d, n: typer.echo(f"teacher responses {d}/{n} ({time.monotonic() - t0:.0f}s)", err=True),
+        )
+    train, heldout = load_data(data_dir)
+    if o["resume"] is not None:
+        check_resume_base(o["resume"], model, lm.mask_token_id)
+    cfg = TrainConfig(
+        adapter=o["adapter"],
+        rank=int(o["rank"]),
+        target_modules=tuple(t.strip() for t in str(o["target_modules"]).split(",") if t.strip()),
+        layers=parse_layers(str(o["layers"])),
+        objective=ObjectiveConfig(
+            k_max=k_max,
+            k_sampling=o["k_sampling"],
+            teacher=o["teacher"],
+            slots=o["slots"],
+            bf16=bool(o["bf16"]),
+        ),
+        steps=int(o["steps"]),
+        lr=float(o["lr"]),
+        warmup=int(o["warmup"]),
+        regions=int(o["regions"]),
+        seq_len=int(o["seq_len"]),
+        agent_fraction=float(o["agent_fraction"]),
+        freeze_embedding_after=o["freeze_embedding_after"],
+        eval_every=int(o["eval_every"]),
+        eval_prompts=int(o["eval_prompts"]),
+        eval_max_new_tokens=int(o["eval_max_new_tokens"]),
+        checkpoint_minutes=float(o["checkpoint_minutes"]),
+        max_minutes=o["max_minutes"],
+        seed=int(o["seed"]),
+    )
+    trainer = Trainer(
+        model,
+        lm.tokenizer,
+        model_id=lm.model_id,
+        mask_token=lm.mask_token,
+        mask_token_id=lm.mask_token_id,
+        config=cfg,
+        train=train,
+        heldout=heldout,
+        out_dir=o["out"],
+        progress=not o["no_progress"],
+        extra_eval=unseen_tool_prompts(lm.tokenizer, 2) if int(o["eval_prompts"]) > 0 else (),
+    )
+    if o["resume"] is not None:
+        trainer.resume(o["resume"])
+    metrics = trainer.run()
+    typer.echo(json.dumps({"out": str(o["out"]), "summary": trainer.summary(), "eval": metrics}, indent=2))

@@ -1,0 +1,242 @@
+"""Bench and A/B runs end to end on a tiny random model: real engine, real HF generate, real grammar, real plots."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from rich.console import Console
+from typer.testing import CliRunner
+
+from agent_mtp.bench.ab import run_ab, side_label
+from agent_mtp.bench.cli import ab_table
+from agent_mtp.bench.core import (
+    QUICK_VARIANTS,
+    Variant,
+    run_bench,
+    run_once,
+    score_runs,
+    variants_from_names,
+)
+from agent_mtp.bench.hf import bare_model
+from agent_mtp.bench.plots import write_plots
+from agent_mtp.bench.suites import load_suite, parse_suite
+from agent_mtp.engine import DecodeConfig
+from agent_mtp.events import MemoryRecorder, StepEvent
+from tests.tiny import tiny_engine
+
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+SUITE = "\n".join(
+    json.dumps(item)
+    for item in [
+        {"id": "t", "suite": "tool_call", "score": "tool_call", "tools": [TOOL], "max_new_tokens": 24,
+         "messages": [{"role": "user", "content": "Weather in Paris?"}],
+         "expected": {"name": "get_weather", "arguments": {"city": "Paris"}}},
+        {"id": "j", "suite": "formatting", "score": "json", "max_new_tokens": 16, "expected": {"keys": ["a"]},
+         "response_schema": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+         "messages": [{"role": "user", "content": "a is 1"}]},
+        {"id": "c", "suite": "chat", "score": "free", "max_new_tokens": 16,
+         "messages": [{"role": "user", "content": "The quick brown fox jumps over the lazy dog."}]},
+    ]
+)  # fmt: skip
+
+
+def _engine(*, adapter: bool = True) -> Any:
+    engine = tiny_engine(adapter=adapter)
+    engine.model.config.max_position_embeddings = 2048  # room for the tool block (RoPE needs no table)
+    return engine
+
+
+@pytest.fixture(scope="module")
+def engine() -> Any:
+    return _engine()
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[Any]:
+    return parse_suite(SUITE)
+
+
+def test_bench_runs_every_variant_and_lossless_ones_equal_ntp(engine: Any, prompts: list[Any]):
+    before = engine.generate("The quick brown", DecodeConfig(mode="verified", max_new_tokens=12)).token_ids
+    names = ["hf-generate-fp32", "hf-generate-bf16", "hf-prompt-lookup", "ntp", "static-3", "confadapt-0.5",
+             "verified", "verified-mtp", "verified-auto"]  # fmt: skip
+    seen: list[str] = []
+    report = run_bench(engine, prompts, variants_from_names(names, k_max=4), on_run=lambda r: seen.append(r.variant))
+    assert len(seen) == len(report.runs) == len(names) * len(prompts)
+    assert [s.variant for s in report.summaries] == names
+    by = {s.variant: s for s in report.summaries}
+    # The oracle: greedy HF generate, engine NTP and every verified variant write the same tokens (grammar too).
+    for name in ("hf-generate-fp32", "hf-prompt-lookup", "ntp", "verified", "verified-mtp", "verified-auto"):
+        assert by[name].ntp_match == 1.0, name
+        assert by[name].token_agreement == 1.0 and by[name].task_agreement == 1.0
+    assert by["hf-generate-fp32"].tokens_per_forward == 1.0  # one pass per token, prefill included
+    assert by["hf-generate-fp32"].speedup_vs_hf == 1.0
+    assert by["static-3"].tokens_per_forward > 1.5  # accepts every proposal: (almost) 3 per pass
+    for s in report.summaries:
+        assert s.tokens > 0 and s.tokens_per_s > 0 and s.p50_latency_s <= s.p95_latency_s
+        assert 0 <= s.repetition <= 1 and math.isfinite(s.nll) and s.nll > 0
+        assert not math.isnan(s.tool_call_valid)
+    assert set(report.suite_summaries) == {"tool_call", "formatting", "chat"}
+    assert report.summary("ntp", "chat") is not None
+    # HF runs detach the adapter and put it back: MTP output is unchanged afterwards.
+    assert engine.model._agent_mtp_adapter is engine.adapter
+    after = engine.generate("The quick brown", DecodeConfig(mode="verified", max_new_tokens=12)).token_ids
+    assert after == before
+    data = json.loads(json.dumps(report.to_dict(), allow_nan=False))
+    assert data["settings"]["variants"] == names and len(data["runs"]) == len(report.runs)
+
+
+def test_constrained_prompts_stay_inside_the_grammar(engine: Any, prompts: list[Any]):
+    for variant in variants_from_names(["hf-generate-fp32", "hf-prompt-lookup", "verified"]):
+        run = run_once(engine, variant, prompts[0])
+        text = engine.decode_tokens(run.token_ids)
+        assert text.startswith("<tool_call>\n{"), (variant.name, text)
+        schema_run = run_once(engine, variant, prompts[1])
+        assert engine.decode_tokens(schema_run.token_ids).startswith('{"a":'), variant.name
+    unconstrained = run_once(engine, Variant("ntp", DecodeConfig(mode="ntp")), prompts[0], grammar=False)
+    assert not engine.decode_tokens(unconstrained.token_ids).startswith("<tool_call>")
+
+
+def test_scoring_without_an_ntp_variant_decodes_the_reference(engine: Any, prompts: list[Any]):
+    runs = [run_once(engine, v, p) for p in prompts for v in variants_from_names(["verified", "static-3"], k_max=4)]
+    score_runs(engine, prompts, runs)
+    verified = [r for r in runs if r.variant == "verified"]
+    assert all(r.exact == 1.0 and r.task_agreement == 1.0 for r in verified)
+    assert all(r.text == engine.decode_tokens(r.token_ids) for r in runs)
+
+
+def test_bare_model_detaches_and_restores_the_adapter(engine: Any):
+    with bare_model(engine) as model:
+        assert model._agent_mtp_adapter is None
+    assert engine.model._agent_mtp_adapter is engine.adapter
+    with pytest.raises(RuntimeError), bare_model(engine):
+        raise RuntimeError("boom")
+    assert engine.model._agent_mtp_adapter is engine.adapter
+
+
+def test_plots_are_pngs(engine: Any, prompts: list[Any], tmp_path: Path):
+    report = run_bench(engine, prompts[2:], variants_from_names(["hf-generate-fp32", "ntp", "confadapt-0.5",
+                                                                 "confadapt-0.9", "verified"], k_max=4))  # fmt: skip
+    paths = write_plots(report, tmp_path)
+    assert [p.name for p in paths] == ["frontier.png", "suites.png"]
+    for p in paths:
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model and tokenizer saved like a local checkpoint, for the command line."""
+    engine = _engine(adapter=False)
+    path = tmp_path_factory.mktemp("tiny-model")
+    engine.model.save_pretrained(path)
+    engine.tokenizer.save_pretrained(path)
+    return path
+
+
+def test_cli_quick_run_writes_json_and_plots(tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    from agent_mtp.cli import app
+    from agent_mtp.engine.loading import CACHE_ENV
+
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))  # the measured cost curve of this throwaway model
+
+    out = tmp_path / "out"
+    threads = torch.get_num_threads()
+    result = CliRunner().invoke(
+        app, ["bench", "--quick", "--model", str(tiny_model_dir), "--adapter", "none", "--out", str(out),
+              "--threads", "1"],
+    )  # fmt: skip
+    torch.set_num_threads(threads)
+    assert result.exit_code == 0, result.output
+    data = json.loads((out / "bench.json").read_text())
+    assert [s["variant"] for s in data["summaries"]] == list(QUICK_VARIANTS)
+    assert data["settings"]["prompts"] == len(load_suite("quick"))
+    assert (out / "frontier.png").is_file() and (out / "suites.png").is_file()
+    markdown = (out / "bench.md").read_text()
+    assert "## Speed" in markdown and "`verified`" in markdown and "## Per suite" in markdown
+    assert "tokens/fwd" in result.output or "tokens" in result.output
+
+
+# -- A/B -------------------------------------------------------------------------------------------------------------
+def test_ab_runs_both_policies_and_records_labelled_events(engine: Any, prompts: list[Any]):
+    recorder = MemoryRecorder()
+    report = run_ab(engine, prompts, "exact", "latency", recorder=recorder)
+    events = [e for e in recorder.events if isinstance(e, StepEvent)]
+    assert len(events) == 2 * len(prompts) == len(report.steps)
+    labels = {e.model for e in events}
+    assert labels == {side_label("tiny", "a", "exact"), side_label("tiny", "b", "latency")}
+    a, b = report.sides["a"], report.sides["b"]
+    assert a.policy == "exact" and b.policy == "latency"
+    assert a.requests == b.requests == len(prompts)
+    assert a.summary.ntp_match == 1.0  # the exact policy is lossless
+    assert set(a.modes) == {"verified"}
+    for side in (a, b):
+        assert 0 <= side.timeout_ratio <= 1 and 0 <= side.retry_rate <= 1 and side.error_rate == 0
+        assert side.summary.p95_latency_s >= side.summary.p50_latency_s > 0
+    # Alternating order: the first prompt runs A first, the second B first.
+    assert [s.side for s in report.steps[:4]] == ["a", "b", "b", "a"]
+    json.dumps(report.to_dict(), allow_nan=False)
+    console = Console(record=True, width=200)
+    console.print(ab_table(report))
+    text = console.export_text()
+    for row in ("task agreement with NTP", "P95 latency s", "timeout ratio", "retry rate", "A: exact", "B: latency"):
+        assert row in text
+
+
+def test_side_label_is_a_valid_telemetry_key_part():
+    from agent_mtp.telemetry import validate_key_part
+
+    label = side_label("org/My Model:v1", "a", "my policy!")
+    assert validate_key_part("model", label) == label == "org/My-Model-v1/ab-a-my-policy-"
+
+
+@pytest.mark.redis
+def test_ab_writes_its_runs_to_redis(engine: Any, prompts: list[Any], redis_server: Any):
+    from agent_mtp.telemetry import Telemetry, TelemetryConfig
+
+    config = TelemetryConfig(redis_url=redis_server.url, namespace="abtest")
+    telemetry = Telemetry(config=config)
+    run_ab(engine, prompts[2:], "exact", "default", recorder=telemetry)
+    assert telemetry.close(timeout_s=10.0)
+    stats = Telemetry(config=config, start=False).query("5m")
+    assert stats.select(model=side_label("tiny", "a", "exact")).requests == 1
+    assert stats.select(model=side_label("tiny", "b", "default")).requests == 1
+
+
+@pytest.mark.redis
+def test_cli_ab_prints_both_sides_and_flushes_to_redis(
+    tiny_model_dir: Path, tmp_path: Path, redis_server: Any, monkeypatch: pytest.MonkeyPatch
+):
+    from agent_mtp.cli import app
+    from agent_mtp.engine.loading import CACHE_ENV
+    from agent_mtp.telemetry import Telemetry, TelemetryConfig
+
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    suite = tmp_path / "suite.jsonl"
+    suite.write_text(SUITE + "\n")
+    threads = torch.get_num_threads()
+    result = CliRunner().invoke(
+        app,
+        ["ab", "--a", "exact", "--b", "latency", "--suite", str(suite), "--model", str(tiny_model_dir),
+         "--adapter", "none", "--redis-url", redis_server.url, "--json-out", str(tmp_path / "ab.json"),
+         "--threads", "1"],
+    )  # fmt: skip
+    torch.set_num_threads(threads)
+    assert result.exit_code == 0, result.output
+    assert "timeout ratio" in result.output and "flushed" in result.output
+    data = json.loads((tmp_path / "ab.json").read_text())
+    assert data["sides"]["a"]["policy"] == "exact" and data["sides"]["b"]["requests"] == 3
+    stats = Telemetry(config=TelemetryConfig(redis_url=redis_server.url), start=False).query("5m")
+    assert stats.total.requests == 6
+    models = {key.model for key, _ in stats.series}
+    assert any(m.endswith("/ab-a-exact") for m in models) and any(m.endswith("/ab-b-latency") for m in models)
