@@ -71,3 +71,23 @@ def test_planner_learns_hit_rates():
     for _ in range(20):
         planner.observe(Draft((1, 2), "ngram", 1.0), 2)
     assert planner.ngram_rate > 0.9
+
+
+def test_cost_curve_measurement_ignores_contention_spikes():
+    from agent_mtp.engine.cost import measure_cost_curve
+
+    calls = {"count": 0}
+
+    def forward_n(n: int) -> None:
+        import time
+
+        calls["count"] += 1
+        # 1 ms + 0.1 ms per extra token, plus a 30 ms stall on some calls (another process took the core).
+        time.sleep(0.001 + 0.0001 * (n - 1) + (0.03 if calls["count"] % 4 == 0 else 0.0))
+
+    curve = measure_cost_curve(forward_n, points=(1, 2, 4, 8), repeats=5)
+    costs = dict(curve.points)
+    assert costs[1] == 1.0
+    assert all(costs[n] <= n for n in costs)  # never superlinear
+    assert costs[8] < 3.0  # the stalls did not leak into the curve
+    assert costs[2] <= costs[4] <= costs[8]
