@@ -87,9 +87,12 @@ def test_reckless_static_tool_calls_trip_the_fallback_yet_return_valid_calls(eng
         )
         assert res.result.token_ids == ntp.token_ids  # the returned call is the model's own NTP call
 
-    # steps 1 and 2: static output was schema-valid but disagreed with NTP -> regenerated in NTP
+    # steps 1 and 2: the reckless static output failed a monitor (which one depends on the adapter: an invalid or
+    # looping call, or a schema-valid call that disagrees with NTP) -> regenerated in NTP
+    reckless_failures = {"validity", "repetition", "ntp_agreement"}
     for res in results[:2]:
-        assert res.attempts[0].config.mode == "static" and "ntp_agreement" in res.attempts[0].failed_monitors
+        assert res.attempts[0].config.mode == "static"
+        assert set(res.attempts[0].failed_monitors) & reckless_failures, res.attempts[0]
         assert res.mode == "ntp" and res.fallback and res.outcome == "ok"
     assert any(d.startswith("breaker opened") for d in results[1].decisions)
     # step 3: the breaker is open, the step runs NTP from the start
@@ -102,7 +105,7 @@ def test_reckless_static_tool_calls_trip_the_fallback_yet_return_valid_calls(eng
         (2, True, False),
         (1, True, True),
     ]
-    assert events[0].monitor_failures == ("ntp_agreement",)
+    assert set(events[0].monitor_failures) & reckless_failures
 
 
 def _exact_policy(max_new_tokens: int) -> Any:
