@@ -55,7 +55,9 @@ def tiny_tokenizer() -> Any:
     return tok
 
 
-def tiny_llama(vocab_size: int, *, seed: int = 0, layers: int = 2, hidden: int = 64, tie: bool = True) -> Any:
+def tiny_llama(
+    vocab_size: int, *, seed: int = 0, layers: int = 2, hidden: int = 64, tie: bool = True, max_positions: int = 256
+) -> Any:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
@@ -65,7 +67,7 @@ def tiny_llama(vocab_size: int, *, seed: int = 0, layers: int = 2, hidden: int =
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=256,
+        max_position_embeddings=max_positions,
         tie_word_embeddings=tie,
         eos_token_id=2,
         bos_token_id=1,
@@ -78,12 +80,21 @@ def tiny_llama(vocab_size: int, *, seed: int = 0, layers: int = 2, hidden: int =
     return model
 
 
-def tiny_engine(*, seed: int = 0, adapter: bool = False, adapter_seed: int = 1, **model_kwargs: Any) -> Any:
-    """An MTPEngine over a tiny random model; with ``adapter=True`` a random (non-identity) gated adapter."""
+def tiny_engine(
+    *,
+    seed: int = 0,
+    adapter: bool = False,
+    adapter_seed: int = 1,
+    tokenizer: Any = None,
+    model_id: str = "tiny",
+    **model_kwargs: Any,
+) -> Any:
+    """An MTPEngine over a tiny random model (the tiny BPE tokenizer unless ``tokenizer`` is given); with
+    ``adapter=True`` a random (non-identity) gated adapter, so mask predictions differ from NTP."""
     from agent_mtp.engine import MTPEngine, new_adapter
     from agent_mtp.engine.loading import ensure_mask_token
 
-    tok = tiny_tokenizer()
+    tok = tokenizer if tokenizer is not None else tiny_tokenizer()
     model = tiny_llama(len(tok), seed=seed, **model_kwargs)
     mask, mask_id, _ = ensure_mask_token(model, tok, None)
     mtp = None
@@ -94,4 +105,4 @@ def tiny_engine(*, seed: int = 0, adapter: bool = False, adapter_seed: int = 1, 
             for p in mtp.trainable_parameters():
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
         mtp.requires_grad_(False)
-    return MTPEngine(model, tok, model_id="tiny", mask_token=mask, mask_token_id=mask_id, adapter=mtp)
+    return MTPEngine(model, tok, model_id=model_id, mask_token=mask, mask_token_id=mask_id, adapter=mtp)

@@ -6,11 +6,9 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-import torch
-
-from agent_mtp.engine import MTPEngine, new_adapter
+from agent_mtp.engine import MTPEngine
 from agent_mtp.engine.cost import CostCurve
-from agent_mtp.engine.loading import ensure_default_model, ensure_mask_token
+from agent_mtp.engine.loading import ensure_default_model
 
 
 @functools.lru_cache(maxsize=1)
@@ -45,37 +43,16 @@ def tiny_real_vocab_engine(*, seed: int = 0, adapter_seed: int | None = 1, hidde
     blocks really get cut by the grammar and by verification). The cost curve is fixed, so verified mode plans
     without measuring anything.
     """
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tests.tiny import tiny_engine
 
-    tokenizer = real_tokenizer()
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-        eos_token_id=2,
-        bos_token_id=1,
-        pad_token_id=0,
-        initializer_range=0.2,
-    )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).eval()
-    model.requires_grad_(False)
-    mask, mask_id, _ = ensure_mask_token(model, tokenizer, None)
-    adapter = None
-    if adapter_seed is not None:
-        adapter = new_adapter(model, base_model="tiny", mask_token=mask, mask_token_id=mask_id, rank=4)
-        gen = torch.Generator().manual_seed(adapter_seed)
-        with torch.no_grad():
-            for p in adapter.trainable_parameters():
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
-        adapter.requires_grad_(False)
-    engine = MTPEngine(
-        model, tokenizer, model_id="tiny-smollm2-vocab", mask_token=mask, mask_token_id=mask_id, adapter=adapter
+    engine = tiny_engine(
+        seed=seed,
+        adapter=adapter_seed is not None,
+        adapter_seed=adapter_seed or 0,
+        tokenizer=real_tokenizer(),
+        model_id="tiny-smollm2-vocab",
+        hidden=hidden,
+        max_positions=2048,
     )
     engine.set_cost_curve(CPU_LIKE_CURVE)
     return engine
