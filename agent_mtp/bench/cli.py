@@ -65,6 +65,10 @@ def bench(
         typer.Option(help=f"Prompts per suite, at most; 0 = all (default: {DEFAULT_LIMIT} for the full suite)."),
     ] = None,
     grammar: Annotated[bool, typer.Option(help="Constrain tool-call / schema prompts like AgentMTPChat does.")] = True,
+    fresh_cost_curve: Annotated[
+        bool,
+        typer.Option(help="Measure the forward cost curve at the start (else: the one cached on disk)."),
+    ] = True,
     out_dir: Annotated[
         Path | None, typer.Option("--out", help="Folder for bench.json, frontier.png and suites.png.")
     ] = Path("agent-mtp-bench"),
@@ -107,6 +111,7 @@ def bench(
             chosen,
             repeats=repeats,
             grammar=grammar,
+            fresh_cost_curve=fresh_cost_curve,
             on_run=lambda _: progress.advance(timed),
             on_score=lambda done, _total: progress.update(scored, completed=done),
         )

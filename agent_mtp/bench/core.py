@@ -219,11 +219,15 @@ def run_bench(
     warmup: bool = True,
     grammar: bool = True,
     score: bool = True,
+    fresh_cost_curve: bool = True,
     on_run: Callable[[Run], None] | None = None,
     on_score: Callable[[int, int], None] | None = None,
 ) -> BenchReport:
     """Run every variant on every prompt, interleaved to cancel drift (prompt-major; the variant order is rotated
-    by one for every prompt and repeat), then score the outputs (untimed) and summarise."""
+    by one for every prompt and repeat), then score the outputs (untimed) and summarise.
+
+    ``fresh_cost_curve``: measure the forward cost curve now (in memory only) instead of using the one cached on
+    disk, which may have been measured under other conditions; ``verified`` and ``-auto`` variants plan with it."""
     if repeats < 1:
         raise ConfigError(f"repeats={repeats}; use an int >= 1.")
     machine = machine_info()
@@ -232,6 +236,8 @@ def run_bench(
         probe = dc_replace(prompts[0], id="warmup", max_new_tokens=8)
         for variant in variants:
             run_once(engine, variant, probe, grammar=grammar, baselines=baselines)
+    if fresh_cost_curve and any(v.config is not None and v.config.mode != "ntp" for v in variants):
+        engine.set_cost_curve(engine._measure_cost_curve())  # the engine has no public "measure now" yet
     runs: list[Run] = []
     for rep in range(repeats):
         for i, prompt in enumerate(prompts):
@@ -257,6 +263,7 @@ def run_bench(
             "repeats": repeats,
             "grammar": grammar,
             "variants": [v.name for v in variants],
+            "cost_curve": [list(p) for p in engine.cost_curve.points] if engine._cost_curve is not None else None,
         },
         summaries=summarise(runs, variants),
         suite_summaries={suite: summarise(rs, variants) for suite, rs in by_suite.items()},

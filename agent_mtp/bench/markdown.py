@@ -78,6 +78,10 @@ def suite_markdown(report: BenchReport, field: str, fmt: Callable[[float], str])
     return _table(("variant", *suites, "all"), rows)
 
 
+def _curve(points: list[list[float]] | None) -> str:
+    return "-" if not points else ", ".join(f"{int(n)}: {c:.2f}" for n, c in points)
+
+
 def report_markdown(report: BenchReport) -> str:
     st, m = report.settings, report.machine
     adapter = st.get("adapter")
@@ -97,6 +101,7 @@ def report_markdown(report: BenchReport) -> str:
         f"load average {_num(m.get('load_avg_1m') or math.nan)} at the start, "
         f"{_num(m.get('load_avg_1m_end') or math.nan)} at the end; torch {m.get('torch')}, "
         f"transformers {m.get('transformers')}",
+        f"- forward cost curve the planner used (tokens fed: cost relative to 1 token): {_curve(st.get('cost_curve'))}",
         "",
         "## Speed",
         "",

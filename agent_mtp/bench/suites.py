@@ -38,7 +38,7 @@ SHAREGPT_HELDOUT_FRACTION = 0.05
 whose id hashes into it is never trained on, whatever number of prompts the trainer used."""
 SHAREGPT_SAMPLE = 6
 SHAREGPT_MAX_CHARS = 500
-SHAREGPT_MAX_NEW_TOKENS = 96
+SHAREGPT_MAX_NEW_TOKENS = 64
 
 
 @dataclass(frozen=True)
