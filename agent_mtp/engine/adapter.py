@@ -113,9 +113,12 @@ class GatedLoRALinear(nn.Module):
         gate = self.gate.current()
         if not self.enabled or gate is None or not bool(gate.any()):
             return y
+        a, b = self.lora_A.to(x.dtype), self.lora_B.to(x.dtype)  # fp32 master weights may drive a bf16 model
+        if bool(gate.all()):  # a pass of mask slots only (training's student pass): no gather/scatter
+            return y + (x @ a.T) @ b.T * self.scale
         rows = x[gate]  # [M, in]: only mask positions
-        delta = (rows.to(self.lora_A.dtype) @ self.lora_A.T) @ self.lora_B.T * self.scale  # [M, out]
-        return y.index_put((gate,), y[gate] + delta.to(y.dtype))
+        delta = (rows @ a.T) @ b.T * self.scale  # [M, out]
+        return y.index_put((gate,), y[gate] + delta)
 
 
 class MTPAdapter(nn.Module):

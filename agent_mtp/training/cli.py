@@ -16,6 +16,7 @@ from agent_mtp.training.evaluate import EvalPrompt
 def register(app: typer.Typer) -> None:
     """Add `distill` to the `agent-mtp` app."""
     app.command("distill")(distill_command)
+    app.command("distill-speed")(distill_speed_command)
 
 
 def parse_layers(text: str | None) -> tuple[int, ...] | None:
@@ -55,6 +56,9 @@ def distill_command(
     agent_fraction: Annotated[float, typer.Option("--agent-fraction")] = 0.8,
     freeze_embedding_after: Annotated[int | None, typer.Option("--freeze-embedding-after")] = None,
     bf16: Annotated[bool, typer.Option("--bf16/--fp32", help="bf16 autocast for the student pass.")] = False,
+    model_dtype: Annotated[
+        str, typer.Option("--model-dtype", help="fp32 | bf16: base weights of the training steps (bf16 twin).")
+    ] = "fp32",
     out: Annotated[Path, typer.Option(help="Output folder (checkpoint/, adapter/, best/, log.jsonl).")] = Path(
         "runs/distill"
     ),
@@ -119,6 +123,7 @@ def _distill(**o: Any) -> None:
         ("k_sampling", ("expected", "random")),
         ("teacher", ("hard", "soft")),
         ("slots", ("all", "prefix")),
+        ("model_dtype", ("fp32", "bf16")),
     ):
         if o[name] not in allowed:
             raise TrainingError(f"--{name.replace('_', '-')} {o[name]!r}: use one of {', '.join(allowed)}.")
@@ -151,6 +156,7 @@ def _distill(**o: Any) -> None:
     cfg = TrainConfig(
         adapter=o["adapter"],
         rank=int(o["rank"]),
+        model_dtype=o["model_dtype"],
         target_modules=tuple(t.strip() for t in str(o["target_modules"]).split(",") if t.strip()),
         layers=parse_layers(str(o["layers"])),
         objective=ObjectiveConfig(
@@ -191,3 +197,96 @@ def _distill(**o: Any) -> None:
         trainer.resume(o["resume"])
     metrics = trainer.run()
     typer.echo(json.dumps({"out": str(o["out"]), "summary": trainer.summary(), "eval": metrics}, indent=2))
+
+
+DEFAULT_SPEED_VARIANTS = (
+    "prototype:regions=64,k_max=8,bf16=0,reuse=0,attn=dense",
+    "first-recipe:regions=160,k_max=4,bf16=1,reuse=0,attn=dense",
+    "fast-k8:regions=256,k_max=8,dtype=bf16,embedding=0",
+    "fast-k4:regions=256,k_max=4,dtype=bf16,embedding=0",
+)
+
+
+def distill_speed_command(
+    variant: Annotated[
+        list[str] | None,
+        typer.Option(help="name:key=value,... (regions, seq_len, k_max, bf16, reuse, embedding); repeatable."),
+    ] = None,
+    adapter_dir: Annotated[
+        Path | None, typer.Option("--adapter-dir", help="Adapter to start from (default: the shipped one).")
+    ] = None,
+    data_dir: Annotated[Path, typer.Option("--data-dir", help="Folder with responses.jsonl.")] = Path("runs/data"),
+    rank: Annotated[int, typer.Option(help="LoRA rank when no adapter exists to load.")] = 8,
+    layers: Annotated[str, typer.Option(help="Layers with LoRA when no adapter exists to load.")] = "8-29",
+    rounds: Annotated[int, typer.Option(help="Timed rounds (each runs every variant once).")] = 5,
+    threads: Annotated[int | None, typer.Option(help="torch threads (default: torch's choice).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+) -> None:
+    """Supervised mask slots per second of trainer step variants, side by side in one process (CPU)."""
+    try:
+        results = _speed(
+            variants=variant or list(DEFAULT_SPEED_VARIANTS),
+            adapter_dir=adapter_dir,
+            data_dir=data_dir,
+            rank=rank,
+            layers=layers,
+            rounds=rounds,
+            threads=threads,
+        )
+    except AgentMTPError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from e
+    if as_json:
+        typer.echo(json.dumps([r.__dict__ for r in results], indent=2))
+        return
+    base = results[0].slots_per_s
+    typer.echo(f"{'variant':<22} {'s/step':>8} {'slots/step':>10} {'slots/s':>8} {'vs first':>8} {'teacher share':>13}")
+    for r in results:
+        ratio = r.slots_per_s / base if base else float("nan")
+        typer.echo(
+            f"{r.name:<22} {r.seconds_per_step:>8.2f} {r.slots_per_step:>10.0f} {r.slots_per_s:>8.1f} "
+            f"{ratio:>7.2f}x {r.teacher_share:>13.2f}"
+        )
+
+
+def _speed(
+    *,
+    variants: list[str],
+    adapter_dir: Path | None,
+    data_dir: Path,
+    rank: int,
+    layers: str,
+    rounds: int,
+    threads: int | None,
+) -> list[Any]:
+    import torch
+
+    from agent_mtp.engine.adapter import new_adapter
+    from agent_mtp.engine.engine import MTPEngine
+    from agent_mtp.training.speed import measure_speed, parse_variant
+    from agent_mtp.training.trainer import load_data
+
+    if threads:
+        torch.set_num_threads(threads)
+    parsed = [parse_variant(v) for v in variants]
+    train, _ = load_data(data_dir)
+    engine = MTPEngine.from_pretrained("default", adapter=adapter_dir if adapter_dir is not None else "auto")
+    adapter = engine.adapter or new_adapter(
+        engine.model,
+        base_model=engine.model_id,
+        mask_token=engine.mask_token,
+        mask_token_id=engine.mask_token_id,
+        rank=rank,
+        layers=parse_layers(layers),
+    )
+    for p in adapter.trainable_parameters():
+        p.requires_grad_(True)
+    return measure_speed(
+        engine.model,
+        adapter,
+        train,
+        parsed,
+        rounds=rounds,
+        mask_token_id=engine.mask_token_id,
+        on_round=lambda r: typer.echo(f"round {r + 1} done", err=True),
+    )

@@ -9,8 +9,11 @@ For every region (prefix ending at its anchor, k - 1 masks):
 
 Gated adapters take the fast path: real tokens run the exact base model whatever the adapter does, so they are run
 once without gradient and their KV cache is shared by the student pass (masks only, with gradient) and the teacher
-pass (the student's block only, LoRA off). Full fine-tuning runs the whole packed sequence through the student and
-a frozen teacher copy.
+pass (the student's block only, LoRA off). The real-token pass is the teacher on the data: wherever the student's
+block so far equals the document's own next tokens, the teacher's logits at that slot are the real pass's logits at
+the matching real token, so the teacher pass only runs the slots after a region's first departure from the data
+(exactly the same targets; the share of skipped slots grows as the student learns). Full fine-tuning runs the whole
+packed sequence through the student and a frozen teacher copy.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from agent_mtp.engine.adapter import MTPAdapter
+from agent_mtp.training.attention import slot_layout
 from agent_mtp.training.packing import (
     PackedSequence,
     anchors,
@@ -31,6 +35,7 @@ from agent_mtp.training.packing import (
     mask_positions,
     packed_attention,
     packed_positions,
+    slot_attention_rows,
     slot_index,
     slot_weights,
 )
@@ -48,6 +53,12 @@ class ObjectiveConfig:
     """"prefix" (ablation): only slots up to and including the student's first disagreement with the teacher."""
     bf16: bool = False
     """Run the student's forward under bf16 autocast (real-token and teacher passes stay in the model's dtype)."""
+    reuse_real_pass: bool = True
+    """Take the teacher's logits from the real-token pass where the student's block follows the data (gated path;
+    identical targets, fewer teacher tokens). False runs the teacher on every slot (the reference)."""
+    banded_attention: bool = True
+    """Slot passes use banded slot attention (``training/attention.py``) on models switched to it by
+    ``use_slot_attention``; False (or an unswitched model) runs dense SDPA with the packed mask."""
 
 
 @dataclass
@@ -59,6 +70,8 @@ class StepOutput:
     """[K-1] fraction of slots j whose student argmax equals the teacher's target."""
     count: torch.Tensor
     """[K-1] slots per j."""
+    teacher_slots: int | None = None
+    """Slots the teacher pass had to run (the others took their targets from the real-token pass)."""
 
 
 def distill_gated(
@@ -68,31 +81,115 @@ def distill_gated(
     n_masks = seq.n_masks
     dev = _device(model)
     region, j = (t.to(dev) for t in slot_index(seq))
-    rows = as_4d(mask_attention_rows(seq)).to(dev)  # [1, 1, M, L + M]
-    pos = mask_positions(seq)[None].to(dev)  # [1, M]
+    anchor = anchors(seq).to(dev)[region]  # [M] the anchor of each slot's region
+    data_index, in_doc = _data_index(seq, anchor, j)
+    keep = anchors(seq).to(dev)
+    if cfg.reuse_real_pass:
+        keep = torch.cat([keep, data_index[in_doc]])
+    keep = keep.unique()  # sorted, each real row once
     with torch.no_grad():
         real = model(
             input_ids=seq.ids[None].to(dev),
             attention_mask=as_4d(_real_attention(seq)).to(dev),
             position_ids=seq.positions[None].to(dev),
             use_cache=True,
-            logits_to_keep=anchors(seq).to(dev),
+            logits_to_keep=keep,
         )
     cache = real.cache
-    ntp = _argmax(real.logits[0], mask_token_id)  # [R]: y'_1 of every region
+    row_of = torch.full((seq.n_real,), -1, dtype=torch.long, device=dev)
+    row_of[keep] = torch.arange(keep.shape[0], device=dev)
+    real_logits = real.logits[0]  # [len(keep), V]
+    ntp = _argmax(real_logits[row_of[anchors(seq).to(dev)]], mask_token_id)  # [R]: y'_1 of every region
     masks = torch.full((1, n_masks), mask_token_id, dtype=torch.long, device=dev)
+    rows = as_4d(mask_attention_rows(seq)).to(dev)  # [1, 1, M, L + M]
+    pos = mask_positions(seq)[None].to(dev)  # [1, M]
     autocast = torch.autocast(dev.type, dtype=torch.bfloat16) if cfg.bf16 else nullcontext()
-    with autocast:
+    with autocast, slot_layout(rows[0, 0], seq.n_real, enabled=cfg.banded_attention):
         student = model(input_ids=masks, attention_mask=rows, position_ids=pos, cache=cache, use_cache=True).logits[0]
     cache.crop(-n_masks)
     student = student.float()  # [M, V]
     block = _teacher_inputs(ntp, _argmax(student.detach(), mask_token_id), region, j)
-    with torch.no_grad(), adapter.disabled():
-        teacher = model(
-            input_ids=block[None], attention_mask=rows, position_ids=pos, cache=cache, use_cache=True
-        ).logits[0]
-    cache.crop(-n_masks)
-    return _slot_loss(student, teacher.float(), seq, cfg, mask_token_id)
+    if cfg.reuse_real_pass:
+        follows = _follows_data(seq, block, region, j, data_index, in_doc)
+    else:
+        follows = torch.zeros_like(block, dtype=torch.bool)
+    teacher = real_logits.new_empty(student.shape)
+    teacher[follows] = real_logits[row_of[data_index[follows]]]
+    rest = (~follows).nonzero().squeeze(1)
+    if rest.numel():
+        slots = _Slots(block, anchor, region, j, pos[0])
+        teacher[rest] = _teacher_pass(model, adapter, seq, cache, slots, follows, rest, banded=cfg.banded_attention)
+    out = _slot_loss(student, teacher.float(), seq, cfg, mask_token_id)
+    out.teacher_slots = int(rest.numel())
+    return out
+
+
+def _data_index(seq: PackedSequence, anchor: torch.Tensor, j: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[M] packed index of the real token that slot (r, j)'s teacher input y'_j would be if the student followed the
+    data (anchor + j, clamped), and whether that token exists in the anchor's document."""
+    index = anchor + j
+    inside = index < seq.n_real
+    index = index.clamp(max=seq.n_real - 1)
+    doc = seq.doc_ids.to(anchor.device)
+    return index, inside & (doc[index] == doc[anchor])
+
+
+def _follows_data(
+    seq: PackedSequence,
+    block: torch.Tensor,
+    region: torch.Tensor,
+    j: torch.Tensor,
+    data_index: torch.Tensor,
+    in_doc: torch.Tensor,
+) -> torch.Tensor:
+    """[M] True where the student's block y'_1 .. y'_j of the slot's region equals the document's next j tokens, so
+    the teacher's input at that slot is the real prefix up to ``data_index`` (already run)."""
+    match = in_doc & (block == seq.ids.to(block.device)[data_index])
+    first_miss = _first_miss(match, region, j, n_regions=len(seq.regions))
+    return j < first_miss[region]
+
+
+def _first_miss(match: torch.Tensor, region: torch.Tensor, j: torch.Tensor, *, n_regions: int) -> torch.Tensor:
+    """[R] smallest j whose slot does not match, per region (a large number when all match)."""
+    first = torch.full((n_regions,), torch.iinfo(torch.long).max, dtype=torch.long, device=j.device)
+    miss = ~match
+    return first.scatter_reduce(0, region[miss], j[miss], reduce="amin")
+
+
+@dataclass(frozen=True)
+class _Slots:
+    """Per-slot tensors of a step: the student's block (teacher inputs), anchor, region, j and position id."""
+
+    block: torch.Tensor
+    anchor: torch.Tensor
+    region: torch.Tensor
+    j: torch.Tensor
+    pos: torch.Tensor
+
+
+def _teacher_pass(
+    model: Any,
+    adapter: MTPAdapter,
+    seq: PackedSequence,
+    cache: Any,
+    slots: _Slots,
+    follows: torch.Tensor,
+    rest: torch.Tensor,
+    *,
+    banded: bool,
+) -> torch.Tensor:
+    """Teacher logits for the slots ``rest`` (those after their region's first departure from the data). The block's
+    tokens before the departure are the real tokens up to anchor + first_miss - 1, so the slots see the real prefix up
+    to there (from the cache) and the rest of their region's block."""
+    region, j = slots.region[rest], slots.j[rest]
+    first_miss = _first_miss(follows, slots.region, slots.j, n_regions=len(seq.regions))
+    seen_to = slots.anchor[rest] + first_miss[region] - 1
+    rows = as_4d(slot_attention_rows(seq.doc_ids, seen_to, region, j))
+    with torch.no_grad(), adapter.disabled(), slot_layout(rows[0, 0], seq.n_real, enabled=banded):
+        ids, pos = slots.block[rest][None], slots.pos[rest][None]
+        logits = model(input_ids=ids, attention_mask=rows, position_ids=pos, cache=cache, use_cache=True).logits[0]
+    cache.crop(-int(rest.numel()))
+    return logits
 
 
 def distill_full(
@@ -137,7 +234,10 @@ def _real_attention(seq: PackedSequence) -> torch.Tensor:
 
 
 def _argmax(logits: torch.Tensor, mask_token_id: int) -> torch.Tensor:
-    """Argmax that never picks the mask token (its row may exist in a tied lm_head)."""
+    """Argmax that never picks the mask token (its row may exist in a tied lm_head). No copy when the mask token is
+    the last row (the usual case: ``<mask>`` is added at the end of the vocabulary)."""
+    if mask_token_id == logits.shape[-1] - 1:
+        return logits[..., :-1].argmax(-1)
     if mask_token_id < logits.shape[-1]:
         logits = logits.clone()
         logits[..., mask_token_id] = float("-inf")
@@ -152,15 +252,21 @@ def _teacher_inputs(ntp: torch.Tensor, drafts: torch.Tensor, region: torch.Tenso
 
 
 def _hard_or_soft(
-    student: torch.Tensor, teacher: torch.Tensor, cfg: ObjectiveConfig, mask_token_id: int
+    student: torch.Tensor,
+    teacher: torch.Tensor,
+    cfg: ObjectiveConfig,
+    mask_token_id: int,
+    target: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """[N] per-slot loss."""
+    """[N] per-slot loss (``target``: the teacher's argmax when already computed)."""
     if cfg.teacher == "soft":
         t = teacher.clone()
         if mask_token_id < t.shape[-1]:
             t[..., mask_token_id] = -1e9  # finite: kl_div gives NaN for a -inf log target
         return F.kl_div(F.log_softmax(student, -1), F.log_softmax(t, -1), log_target=True, reduction="none").sum(-1)
-    return F.cross_entropy(student, _argmax(teacher, mask_token_id), reduction="none")
+    if target is None:
+        target = _argmax(teacher, mask_token_id)
+    return F.cross_entropy(student, target, reduction="none")
 
 
 def _slot_loss(
@@ -168,8 +274,9 @@ def _slot_loss(
 ) -> StepOutput:
     region, j = (t.to(student.device) for t in slot_index(seq))
     weights = slot_weights(seq, cfg.k_max, expected=cfg.k_sampling == "expected").to(student.device)
-    per_slot = _hard_or_soft(student, teacher, cfg, mask_token_id)
-    hit = (_argmax(student.detach(), mask_token_id) == _argmax(teacher, mask_token_id)).float()
+    target = _argmax(teacher, mask_token_id)
+    per_slot = _hard_or_soft(student, teacher, cfg, mask_token_id, target)
+    hit = (_argmax(student.detach(), mask_token_id) == target).float()
     if cfg.slots == "prefix":
         weights = weights * _up_to_first_miss(hit, region)
     loss = (per_slot * weights).sum() / weights.sum().clamp(min=1e-8)

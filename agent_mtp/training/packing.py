@@ -91,13 +91,20 @@ def packed_attention(seq: PackedSequence) -> torch.Tensor:
 
 def mask_attention_rows(seq: PackedSequence) -> torch.Tensor:
     """[M, L + M] bool: the rows of :func:`packed_attention` for the mask slots (what the cached student pass uses)."""
-    n_real = seq.n_real
     region, j = slot_index(seq)
-    anchor = anchors(seq)[region]  # [M]
-    real = torch.arange(n_real)
-    sees_real = (seq.doc_ids[None, :] == seq.doc_ids[anchor][:, None]) & (real[None, :] <= anchor[:, None])
-    sees_mask = (region[None, :] == region[:, None]) & (j[None, :] <= j[:, None])  # [M, M]
-    return torch.cat([sees_real, sees_mask], dim=1)
+    return slot_attention_rows(seq.doc_ids, anchors(seq)[region], region, j)
+
+
+def slot_attention_rows(
+    doc_ids: torch.Tensor, anchor: torch.Tensor, region: torch.Tensor, j: torch.Tensor
+) -> torch.Tensor:
+    """[S, L + S] bool for S slots appended after L cached real tokens: slot s sees the real tokens of its anchor's
+    document up to ``anchor[s]`` and the appended slots of its own region with ``j <= j[s]``."""
+    real = torch.arange(doc_ids.shape[0], device=anchor.device)
+    doc = doc_ids.to(anchor.device)
+    sees_real = (doc[None, :] == doc[anchor][:, None]) & (real[None, :] <= anchor[:, None])
+    sees_slot = (region[None, :] == region[:, None]) & (j[None, :] <= j[:, None])  # [S, S]
+    return torch.cat([sees_real, sees_slot], dim=1)
 
 
 def as_4d(allowed: torch.Tensor) -> torch.Tensor:

@@ -26,10 +26,12 @@ import torch
 from agent_mtp.engine.adapter import LLAMA_TARGETS, MTPAdapter, load_adapter, new_adapter, read_adapter_config
 from agent_mtp.engine.engine import MTPEngine
 from agent_mtp.errors import AdapterError, TrainingError
+from agent_mtp.training.attention import use_slot_attention
 from agent_mtp.training.data import Record, read_records
 from agent_mtp.training.evaluate import EvalPrompt, eval_prompts, evaluate
 from agent_mtp.training.objective import ObjectiveConfig, StepOutput, distill_full, distill_gated
 from agent_mtp.training.packing import PackedSequence, Region, pack_documents
+from agent_mtp.training.precision import low_precision_twin
 
 STATE_FILE = "trainer_state.pt"
 
@@ -39,6 +41,10 @@ class TrainConfig:
     adapter: Literal["gated-lora", "full"] = "gated-lora"
     """Gated LoRA (+ mask embedding) or the paper's full fine-tune with a frozen teacher copy."""
     rank: int = 16
+    model_dtype: Literal["fp32", "bf16"] = "fp32"
+    """Dtype of the frozen base weights in training steps (gated-lora): "bf16" runs a bf16 twin of the model with the
+    adapter's fp32 parameters shared and an fp32 head for the targets (see ``training/precision.py``); evaluations
+    always run the fp32 model."""
     target_modules: tuple[str, ...] = LLAMA_TARGETS
     layers: tuple[int, ...] | None = None
     """Decoder layers that carry LoRA (None = all); upper layers only shorten the backward pass."""
@@ -70,6 +76,10 @@ class TrainConfig:
             raise TrainingError(f"k_max={k}: MTP needs at least one mask (k_max >= 2).")
         if self.adapter not in ("gated-lora", "full"):
             raise TrainingError(f"adapter={self.adapter!r}: use 'gated-lora' or 'full'.")
+        if self.model_dtype not in ("fp32", "bf16"):
+            raise TrainingError(f"model_dtype={self.model_dtype!r}: use 'fp32' or 'bf16'.")
+        if self.model_dtype == "bf16" and self.adapter != "gated-lora":
+            raise TrainingError("model_dtype='bf16' needs --adapter gated-lora (use --bf16 autocast for 'full').")
         if self.rank < 1 or self.steps < 1 or self.lr <= 0 or self.regions < 1:
             raise TrainingError(
                 f"rank={self.rank}, steps={self.steps}, lr={self.lr}, regions={self.regions}: all must be positive."
@@ -144,6 +154,9 @@ class Trainer:
         self.state = TrainState()
         self.adapter: MTPAdapter | None = None
         self.teacher: Any = None
+        self.step_model: Any = model
+        """The model that runs training steps: ``model`` itself, or its bf16 twin (``model_dtype="bf16"``)."""
+        self.step_adapter: MTPAdapter | None = None
         if config.adapter == "gated-lora":
             self.adapter = new_adapter(
                 model,
@@ -156,6 +169,12 @@ class Trainer:
                 k_max_trained=config.objective.k_max,
             )
             self.params = self.adapter.trainable_parameters()
+            self.step_adapter = self.adapter
+            if config.model_dtype == "bf16":
+                self.step_model, self.step_adapter = low_precision_twin(
+                    model, self.adapter, mask_token_id=mask_token_id
+                )
+            use_slot_attention(self.step_model)  # plain SDPA outside the objective's slot passes
         else:
             self.teacher = copy.deepcopy(model).eval().requires_grad_(False)
             model.requires_grad_(True)
@@ -185,8 +204,10 @@ class Trainer:
         self._maybe_freeze_embedding(step)
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr_at(step)
-        if self.adapter is not None:
-            out = distill_gated(self.model, self.adapter, seq, self.cfg.objective, mask_token_id=self.mask_token_id)
+        if self.step_adapter is not None:
+            out = distill_gated(
+                self.step_model, self.step_adapter, seq, self.cfg.objective, mask_token_id=self.mask_token_id
+            )
         else:
             out = distill_full(self.model, self.teacher, seq, self.cfg.objective, mask_token_id=self.mask_token_id)
         self.optimizer.zero_grad(set_to_none=True)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -188,3 +190,51 @@ def test_full_fine_tune_path_trains_student_only() -> None:
     assert torch.isfinite(out.loss)
     assert student.model.embed_tokens.weight.grad is not None
     assert all(p.grad is None for p in teacher.parameters())
+
+
+def _greedy_doc(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(input_ids=torch.tensor([ids])).logits[0, -1]
+            logits[MASK] = float("-inf")
+            ids.append(int(logits.argmax()))
+    return ids
+
+
+@pytest.mark.parametrize("teacher", ["hard", "soft"])
+@pytest.mark.parametrize("data", ["greedy", "random"])
+def test_reusing_the_real_pass_gives_the_reference_targets(data: str, teacher: str) -> None:
+    model = tiny_model(seed=11)
+    adapter = tiny_adapter(model, seed=12)
+    with adapter.disabled():
+        doc = _greedy_doc(model, [5, 9, 14], 14)
+    if data == "random":
+        doc = torch.randint(0, MASK, (17,), generator=torch.Generator().manual_seed(0)).tolist()
+    seq = pack_documents([doc, doc[:9]], [Region(2, 3), Region(5, 3), Region(9, 2), Region(14, 3), Region(19, 3)])
+    cfg = ObjectiveConfig(k_max=4, teacher=teacher)  # type: ignore[arg-type]
+    fast = distill_gated(model, adapter, seq, cfg, mask_token_id=MASK)
+    ref = distill_gated(model, adapter, seq, replace(cfg, reuse_real_pass=False), mask_token_id=MASK)
+    torch.testing.assert_close(fast.loss, ref.loss, atol=1e-5, rtol=1e-5)  # soft: the teacher's whole distribution
+    assert torch.equal(fast.agree, ref.agree)
+    assert ref.teacher_slots == seq.n_masks
+    assert fast.teacher_slots is not None
+    if data == "greedy":  # y'_1 is the NTP token = the document's next token, so every first slot is skipped
+        assert fast.teacher_slots <= seq.n_masks - len(seq.regions)
+
+
+def test_a_block_that_follows_the_data_needs_no_teacher_pass() -> None:
+    model = tiny_model(seed=13)
+    adapter = tiny_adapter(model, seed=14)
+    prefix = [5, 9, 14, 3]
+    with torch.no_grad():
+        with adapter.disabled():
+            ntp = _greedy_doc(model, prefix, 1)[-1]
+        drafts = model(input_ids=torch.tensor([[*prefix, MASK, MASK, MASK]])).logits[0, len(prefix) :]
+        drafts[:, MASK] = float("-inf")
+    doc = [*prefix, ntp, *drafts.argmax(-1).tolist(), 7]  # the student's own block is the data
+    seq = pack_documents([doc], [Region(len(prefix) - 1, 3)])
+    fast = distill_gated(model, adapter, seq, ObjectiveConfig(k_max=4), mask_token_id=MASK)
+    ref = distill_gated(model, adapter, seq, ObjectiveConfig(k_max=4, reuse_real_pass=False), mask_token_id=MASK)
+    assert fast.teacher_slots == 0
+    torch.testing.assert_close(fast.loss, ref.loss, atol=1e-5, rtol=1e-5)
