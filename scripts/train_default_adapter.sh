@@ -16,8 +16,7 @@ if [[ -n "${RESUME:-}" ]]; then RESUME_ARGS=(--resume "$RESUME"); fi
 # 1. teacher data: 1600 agent prompts + 400 ShareGPT prompts, greedy, <= 96 new tokens, resumable; capped at 20 min
 if [[ ! -s "$DATA/responses.jsonl" ]]; then
   agent-mtp distill --build-data --data-dir "$DATA" --agent-prompts 1600 --sharegpt-prompts 400 \
-    --max-response-tokens 96 --gen-batch 48 --data-minutes 20 --steps 1 --max-minutes 0.01 --eval-prompts 0 \
-    --out "$OUT.data-only" --threads "$THREADS" --no-progress
+    --max-response-tokens 96 --gen-batch 48 --data-minutes 20 --data-only --threads "$THREADS" --no-progress
 fi
 
 # 2. self-distillation: gated LoRA rank 8 on layers 8-29 (+ the mask embedding until step 394), k_max 4; the fast

@@ -65,6 +65,9 @@ def distill_command(
     resume: Annotated[Path | None, typer.Option(help="A checkpoint folder to continue from.")] = None,
     data_dir: Annotated[Path, typer.Option("--data-dir", help="Folder with responses.jsonl.")] = Path("runs/data"),
     build_data: Annotated[bool, typer.Option("--build-data", help="Generate missing teacher responses first.")] = False,
+    data_only: Annotated[
+        bool, typer.Option("--data-only", help="With --build-data: stop after the data is built (no training).")
+    ] = False,
     agent_prompts: Annotated[int, typer.Option("--agent-prompts", help="Agent prompts (with --build-data).")] = 800,
     sharegpt_prompts: Annotated[int, typer.Option("--sharegpt-prompts", help="ShareGPT prompts.")] = 200,
     max_response_tokens: Annotated[int, typer.Option("--max-response-tokens")] = 96,
@@ -131,6 +134,8 @@ def _distill(**o: Any) -> None:
     if device == "cuda" and not torch.cuda.is_available():
         raise TrainingError("--device cuda: no CUDA device is visible; use --device cpu.")
     data_dir = Path(o["data_dir"])
+    if o["data_only"] and not o["build_data"]:
+        raise TrainingError("--data-only builds data and stops; add --build-data (and the prompt counts) to use it.")
     if not o["build_data"]:
         load_data(data_dir)  # fail before the model loads when the data is missing
     lm = load_model(str(o["model"]))
@@ -150,6 +155,10 @@ def _distill(**o: Any) -> None:
             max_minutes=o["data_minutes"],
             progress=lambda d, n: typer.echo(f"teacher responses {d}/{n} ({time.monotonic() - t0:.0f}s)", err=True),
         )
+        if o["data_only"]:
+            train, heldout = load_data(data_dir)
+            typer.echo(json.dumps({"data_dir": str(data_dir), "train": len(train), "heldout": len(heldout)}))
+            return
     train, heldout = load_data(data_dir)
     if o["resume"] is not None:
         check_resume_base(o["resume"], model, lm.mask_token_id)

@@ -115,10 +115,16 @@ def _stream_json_array(path: Path, decoder: json.JSONDecoder, chunk: int = 1 << 
 
 
 def build_prompts(*, n_agent: int, n_sharegpt: int, seed: int = 0) -> list[PromptItem]:
-    """Agent prompts first (the predictable, agent-domain tokens), then ShareGPT chat prompts."""
-    items = [PromptItem(p.id, "agent", p.kind, p.messages) for p in agent_prompts(n_agent, seed=seed)]
-    items += list(sharegpt_prompts(n_sharegpt))
-    return items
+    """Agent prompts and ShareGPT chat prompts, spread evenly through the list in their proportion, so a build that
+    stops early (``max_minutes``) still holds both sources."""
+    agent = [PromptItem(p.id, "agent", p.kind, p.messages) for p in agent_prompts(n_agent, seed=seed)]
+    return interleave(agent, list(sharegpt_prompts(n_sharegpt)))
+
+
+def interleave(*groups: Sequence[PromptItem]) -> list[PromptItem]:
+    """Merge ``groups`` keeping each one's order, item i of a group of n placed at fraction (i + 0.5) / n."""
+    keyed = [((i + 0.5) / len(g), k, item) for k, g in enumerate(groups) for i, item in enumerate(g)]
+    return [item for _, _, item in sorted(keyed, key=lambda x: (x[0], x[1]))]
 
 
 # -- teacher generation -----------------------------------------------------------------------------------------------

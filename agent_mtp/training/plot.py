@@ -8,7 +8,10 @@ from typing import Any
 
 
 def read_log(path: str | Path) -> list[dict[str, Any]]:
-    rows = []
+    """The rows of a ``log.jsonl`` (none when the run logged nothing yet)."""
+    rows: list[dict[str, Any]] = []
+    if not Path(path).is_file():
+        return rows
     for line in Path(path).read_text(encoding="utf-8").splitlines():
         try:
             rows.append(json.loads(line))

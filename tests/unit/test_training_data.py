@@ -86,3 +86,28 @@ def test_cli_rejects_bad_input_before_loading_a_model(tmp_path: Path) -> None:
     assert result.exit_code == 2 and "gated-lora" in result.output
     result = runner.invoke(app, ["distill", "--data-dir", str(tmp_path / "none")])
     assert result.exit_code == 2 and "No training data" in result.output
+    result = runner.invoke(app, ["distill", "--data-only", "--data-dir", str(tmp_path)])
+    assert result.exit_code == 2 and "--build-data" in result.output
+
+
+def test_speed_variants_parse_and_reject_bad_keys() -> None:
+    from agent_mtp.errors import TrainingError
+    from agent_mtp.training.speed import parse_variant
+
+    v = parse_variant("fast:regions=128,k_max=8,dtype=bf16,reuse=0,attn=dense,embedding=0")
+    assert (v.name, v.regions, v.objective.k_max, v.model_dtype) == ("fast", 128, 8, "bf16")
+    assert not v.objective.reuse_real_pass and not v.objective.banded_attention and not v.train_embedding
+    for bad in ("fast:regionz=1", "fast:dtype=fp16", "fast:attn=sparse", ":regions=1", "fast:regions"):
+        with pytest.raises(TrainingError):
+            parse_variant(bad)
+
+
+def test_interleave_spreads_sources_so_a_capped_build_has_both() -> None:
+    from agent_mtp.training.data import PromptItem, interleave
+
+    agent = [PromptItem(f"a{i}", "agent", "list", []) for i in range(8)]
+    chat = [PromptItem(f"c{i}", "sharegpt", "chat", []) for i in range(2)]
+    merged = interleave(agent, chat)
+    assert [p.id for p in merged if p.source == "agent"] == [p.id for p in agent]  # order kept
+    assert sorted(p.id for p in merged) == sorted(p.id for p in agent + chat)
+    assert any(p.source == "sharegpt" for p in merged[:5])  # the first half already holds a chat prompt
