@@ -16,12 +16,12 @@ if [[ "${TINY:-0}" == 1 ]]; then
 else
   # data <= 2.5 min: 6000 prompts x <= 128 tokens, batch 256 (teacher = the bf16-free fp32 base model on the GPU)
   DATA_ARGS=(--agent-prompts 5000 --sharegpt-prompts 1000 --max-response-tokens 128 --gen-batch 256 --data-minutes 2.5)
-  # train <= 5.5 min: seq 1024, 256 regions x 7 masks = 1792 supervised slots per step, bf16 student
+  # train <= 5.5 min: seq 1024, 256 regions x 7 masks = 1792 supervised slots per step, bf16 twin of the base
   TRAIN_ARGS=(--steps 3000 --regions 256 --seq-len 1024 --max-minutes 5.5 --eval-every 1000 --eval-prompts 16
               --eval-max-new-tokens 64)
 fi
 agent-mtp distill --device "$DEVICE" --build-data --data-dir "$OUT/data" "${DATA_ARGS[@]}" \
-  --out "$OUT/run" --adapter gated-lora --rank 8 --layers all --k-max 8 --bf16 --lr 3e-4 --warmup 50 \
+  --out "$OUT/run" --adapter gated-lora --rank 8 --layers all --k-max 8 --model-dtype bf16 --lr 3e-4 --warmup 50 \
   --checkpoint-minutes 3 --no-progress "${TRAIN_ARGS[@]}" | tee "$OUT.log"
 # the best held-out verified tokens/forward, else the final adapter
 SRC="$OUT/run/best"; [[ -f "$SRC/adapter.safetensors" ]] || SRC="$OUT/run/adapter"

@@ -7,13 +7,13 @@
 set -euo pipefail
 DATA=${DATA:-runs/data}
 OUT=${OUT:-runs/default}
-MINUTES=${MINUTES:-85}
-STEPS=${STEPS:-1400}
+MINUTES=${MINUTES:-95}
+STEPS=${STEPS:-2300}
 THREADS=${THREADS:-2}
 RESUME_ARGS=()
 if [[ -n "${RESUME:-}" ]]; then RESUME_ARGS=(--resume "$RESUME"); fi
 
-# 1. teacher data: 1600 agent prompts + 400 ShareGPT prompts, greedy, <= 96 new tokens, resumable; capped at 20 min
+# 1. teacher data: 1600 agent prompts + 400 ShareGPT prompts (interleaved), greedy, <= 96 new tokens, resumable; capped at 20 min
 if [[ ! -s "$DATA/responses.jsonl" ]]; then
   agent-mtp distill --build-data --data-dir "$DATA" --agent-prompts 1600 --sharegpt-prompts 400 \
     --max-response-tokens 96 --gen-batch 48 --data-minutes 20 --data-only --threads "$THREADS" --no-progress
@@ -24,5 +24,5 @@ fi
 #    targets reused from the real-token pass (all defaults), 256 regions per packed sequence.
 agent-mtp distill --data-dir "$DATA" --out "$OUT" --adapter gated-lora --rank 8 --layers 8-29 --k-max 4 \
   --model-dtype bf16 --regions 256 --seq-len 384 --lr 5e-4 --warmup 15 --steps "$STEPS" \
-  --freeze-embedding-after 394 --eval-every 250 --eval-prompts 6 --eval-max-new-tokens 40 --checkpoint-minutes 5 \
+  --freeze-embedding-after 394 --eval-every 400 --eval-prompts 6 --eval-max-new-tokens 40 --checkpoint-minutes 5 \
   --max-minutes "$MINUTES" --threads "$THREADS" --no-progress "${RESUME_ARGS[@]}"
