@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from agent_mtp.engine.adapter import MTPAdapter
+from agent_mtp.errors import TrainingError
 from agent_mtp.training.attention import slot_layout
 from agent_mtp.training.packing import (
     PackedSequence,
@@ -99,7 +100,8 @@ def distill_gated(
     row_of = torch.full((seq.n_real,), -1, dtype=torch.long, device=dev)
     row_of[keep] = torch.arange(keep.shape[0], device=dev)
     real_logits = real.logits[0]  # [len(keep), V]
-    ntp = _argmax(real_logits[row_of[anchors(seq).to(dev)]], mask_token_id)  # [R]: y'_1 of every region
+    real_argmax = _argmax(real_logits, mask_token_id)  # the teacher's token after each kept real token
+    ntp = real_argmax[row_of[anchors(seq).to(dev)]]  # [R]: y'_1 of every region
     masks = torch.full((1, n_masks), mask_token_id, dtype=torch.long, device=dev)
     rows = as_4d(mask_attention_rows(seq)).to(dev)  # [1, 1, M, L + M]
     pos = mask_positions(seq)[None].to(dev)  # [1, M]
@@ -113,13 +115,20 @@ def distill_gated(
         follows = _follows_data(seq, block, region, j, data_index, in_doc)
     else:
         follows = torch.zeros_like(block, dtype=torch.bool)
-    teacher = real_logits.new_empty(student.shape)
-    teacher[follows] = real_logits[row_of[data_index[follows]]]
+    from_real = row_of[data_index[follows]]
+    target = torch.empty_like(block)  # the teacher's argmax per slot
+    target[follows] = real_argmax[from_real]
+    soft = real_logits.new_empty(student.shape) if cfg.teacher == "soft" else None  # full distributions: soft only
+    if soft is not None:
+        soft[follows] = real_logits[from_real]
     rest = (~follows).nonzero().squeeze(1)
     if rest.numel():
         slots = _Slots(block, anchor, region, j, pos[0])
-        teacher[rest] = _teacher_pass(model, adapter, seq, cache, slots, follows, rest, banded=cfg.banded_attention)
-    out = _slot_loss(student, teacher.float(), seq, cfg, mask_token_id)
+        logits = _teacher_pass(model, adapter, seq, cache, slots, follows, rest, banded=cfg.banded_attention)
+        target[rest] = _argmax(logits, mask_token_id)
+        if soft is not None:
+            soft[rest] = logits
+    out = _slot_loss(student, target, soft.float() if soft is not None else None, seq, cfg, mask_token_id)
     out.teacher_slots = int(rest.numel())
     return out
 
@@ -217,8 +226,10 @@ def distill_full(
         t_ids = torch.cat([real_ids, block])[None]
         t_logits = teacher_model(input_ids=t_ids, attention_mask=attn, position_ids=pos, logits_to_keep=keep).logits[0]
     t_logits = t_logits.float()
-    out = _slot_loss(at_masks, t_logits[n_regions:], seq, cfg, mask_token_id)
-    ntp_loss = _hard_or_soft(at_anchor, t_logits[:n_regions], cfg, mask_token_id).mean()
+    t_masks = t_logits[n_regions:]
+    out = _slot_loss(at_masks, _argmax(t_masks, mask_token_id), t_masks, seq, cfg, mask_token_id)
+    t_anchor = t_logits[:n_regions]
+    ntp_loss = _hard_or_soft(at_anchor, _argmax(t_anchor, mask_token_id), t_anchor, cfg, mask_token_id).mean()
     total_weight = float(slot_weights(seq, cfg.k_max, expected=cfg.k_sampling == "expected").sum())
     out.loss = (out.loss * total_weight + ntp_loss * n_regions) / (total_weight + n_regions)
     return out
@@ -253,29 +264,34 @@ def _teacher_inputs(ntp: torch.Tensor, drafts: torch.Tensor, region: torch.Tenso
 
 def _hard_or_soft(
     student: torch.Tensor,
-    teacher: torch.Tensor,
+    target: torch.Tensor,
+    teacher: torch.Tensor | None,
     cfg: ObjectiveConfig,
     mask_token_id: int,
-    target: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """[N] per-slot loss (``target``: the teacher's argmax when already computed)."""
+    """[N] per-slot loss: CE against the teacher's argmax ``target`` (hard), or KL(teacher || student) (soft, needs
+    the ``teacher`` logits)."""
     if cfg.teacher == "soft":
+        if teacher is None:
+            raise TrainingError("the soft teacher needs the teacher's logits (internal: pass them to _slot_loss)")
         t = teacher.clone()
         if mask_token_id < t.shape[-1]:
             t[..., mask_token_id] = -1e9  # finite: kl_div gives NaN for a -inf log target
         return F.kl_div(F.log_softmax(student, -1), F.log_softmax(t, -1), log_target=True, reduction="none").sum(-1)
-    if target is None:
-        target = _argmax(teacher, mask_token_id)
     return F.cross_entropy(student, target, reduction="none")
 
 
 def _slot_loss(
-    student: torch.Tensor, teacher: torch.Tensor, seq: PackedSequence, cfg: ObjectiveConfig, mask_token_id: int
+    student: torch.Tensor,
+    target: torch.Tensor,
+    teacher: torch.Tensor | None,
+    seq: PackedSequence,
+    cfg: ObjectiveConfig,
+    mask_token_id: int,
 ) -> StepOutput:
     region, j = (t.to(student.device) for t in slot_index(seq))
     weights = slot_weights(seq, cfg.k_max, expected=cfg.k_sampling == "expected").to(student.device)
-    target = _argmax(teacher, mask_token_id)
-    per_slot = _hard_or_soft(student, teacher, cfg, mask_token_id, target)
+    per_slot = _hard_or_soft(student, target, teacher, cfg, mask_token_id)
     hit = (_argmax(student.detach(), mask_token_id) == target).float()
     if cfg.slots == "prefix":
         weights = weights * _up_to_first_miss(hit, region)
