@@ -102,19 +102,23 @@ def slot_attention(
 def _banded(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: SlotLayout, scale: float
 ) -> torch.Tensor:
-    """[1, S, H, D] attention output; query [1, H, S, D], key/value [1, KVH, L + S, D] (grouped-query heads)."""
+    """[1, S, H, D] attention output; query [1, H, S, D], key/value [1, KVH, L + S, D] (grouped-query heads).
+
+    Scores stay in the activations' dtype (matmuls accumulate in fp32; the softmax kernel computes in fp32) and the
+    scale is applied to the queries, which keeps the elementwise work on [S, L] scores to one add and one softmax.
+    """
     _, heads, n, dim = query.shape
     kv_heads = key.shape[1]
     group = heads // kv_heads
     n_real = layout.n_real
-    q = query.reshape(1, kv_heads, group, n, dim)
+    q = (query * scale).reshape(1, kv_heads, group, n, dim)
     k_real, v_real = key[:, :, :n_real], value[:, :, :n_real]
     k_band = key[:, :, n_real:][:, :, layout.band_index]  # [1, KVH, S, W, D]
     v_band = value[:, :, n_real:][:, :, layout.band_index]
     s_real = (q.reshape(1, kv_heads, group * n, dim) @ k_real.transpose(-1, -2)).view(1, kv_heads, group, n, n_real)
     s_band = torch.einsum("bkgsd,bkswd->bkgsw", q, k_band)
-    scores = torch.cat([s_real.float() * scale + layout.real_bias, s_band.float() * scale + layout.band_bias], -1)
-    p = scores.softmax(-1).to(value.dtype)
+    real_bias, band_bias = layout.real_bias.to(query.dtype), layout.band_bias.to(query.dtype)
+    p = torch.cat([s_real + real_bias, s_band + band_bias], -1).softmax(-1)
     out = (p[..., :n_real].reshape(1, kv_heads, group * n, n_real) @ v_real).view(1, kv_heads, group, n, dim)
     out = out + torch.einsum("bkgsw,bkswd->bkgsd", p[..., n_real:], v_band)
     return out.reshape(1, heads, n, dim).transpose(1, 2).contiguous()
