@@ -219,7 +219,9 @@ DEFAULT_SPEED_VARIANTS = (
 def distill_speed_command(
     variant: Annotated[
         list[str] | None,
-        typer.Option(help="name:key=value,... (regions, seq_len, k_max, bf16, reuse, embedding); repeatable."),
+        typer.Option(
+            help="name:key=value,... (regions, seq_len, k_max, bf16, reuse, embedding, dtype, attn); repeatable."
+        ),
     ] = None,
     adapter_dir: Annotated[
         Path | None, typer.Option("--adapter-dir", help="Adapter to start from (default: the shipped one).")
