@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -199,6 +199,18 @@ class MTPAdapter(nn.Module):
     def layers(self) -> dict[str, GatedLoRALinear]:
         """The gated LoRA layers by key (module path with "." replaced by "__")."""
         return {key: cast(GatedLoRALinear, layer) for key, layer in self.lora.items()}
+
+    def layer_indices(self) -> dict[str, int | None]:
+        """The decoder layer index of each gated LoRA layer, by key (None for modules outside numbered layers)."""
+        return {key: _layer_index(key.replace("__", ".")) for key in self.lora}
+
+    def set_trainable_layers(self, layers: Collection[int] | None) -> None:
+        """Let gradients reach only the LoRA layers of these decoder layers (None: all). The others keep their
+        values; with the mask embedding frozen too, the backward pass stops at the lowest trainable layer."""
+        for key, index in self.layer_indices().items():
+            on = layers is None or index in layers
+            self.lora[key].lora_A.requires_grad_(on)
+            self.lora[key].lora_B.requires_grad_(on)
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         params: list[nn.Parameter] = [self.mask_embedding]

@@ -19,7 +19,7 @@ def register(app: typer.Typer) -> None:
     app.command("distill-speed")(distill_speed_command)
 
 
-def parse_layers(text: str | None) -> tuple[int, ...] | None:
+def parse_layers(text: str | None, option: str = "--layers") -> tuple[int, ...] | None:
     """ "all" / None -> None; "8-29" -> 8..29; "0,5,7" -> (0, 5, 7)."""
     if text is None or text.strip().lower() in ("", "all"):
         return None
@@ -32,7 +32,7 @@ def parse_layers(text: str | None) -> tuple[int, ...] | None:
             else:
                 layers.append(int(part))
     except ValueError as e:
-        raise TrainingError(f"--layers {text!r}: use 'all', a range like '8-29', or a list like '0,4,8'.") from e
+        raise TrainingError(f"{option} {text!r}: use 'all', a range like '8-29', or a list like '0,4,8'.") from e
     return tuple(sorted(set(layers)))
 
 
@@ -55,6 +55,13 @@ def distill_command(
     seq_len: Annotated[int, typer.Option("--seq-len", help="Real tokens per packed sequence.")] = 384,
     agent_fraction: Annotated[float, typer.Option("--agent-fraction")] = 0.8,
     freeze_embedding_after: Annotated[int | None, typer.Option("--freeze-embedding-after")] = None,
+    train_layers: Annotated[
+        str,
+        typer.Option(
+            "--train-layers",
+            help="LoRA layers the optimizer updates ('all' or e.g. '16-29'); the others keep their (resumed) values.",
+        ),
+    ] = "all",
     bf16: Annotated[bool, typer.Option("--bf16/--fp32", help="bf16 autocast for the student pass.")] = False,
     model_dtype: Annotated[
         str, typer.Option("--model-dtype", help="fp32 | bf16: base weights of the training steps (bf16 twin).")
@@ -182,6 +189,7 @@ def _distill(**o: Any) -> None:
         seq_len=int(o["seq_len"]),
         agent_fraction=float(o["agent_fraction"]),
         freeze_embedding_after=o["freeze_embedding_after"],
+        train_layers=parse_layers(str(o["train_layers"]), "--train-layers"),
         eval_every=int(o["eval_every"]),
         eval_prompts=int(o["eval_prompts"]),
         eval_max_new_tokens=int(o["eval_max_new_tokens"]),

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from agent_mtp.engine.adapter import MTPAdapter
 from agent_mtp.errors import TrainingError
 from agent_mtp.training.attention import slot_layout
+from agent_mtp.training.head_loss import HeadStatistics, head_cross_entropy, head_statistics
 from agent_mtp.training.packing import (
     PackedSequence,
     anchors,
@@ -40,6 +41,7 @@ from agent_mtp.training.packing import (
     slot_index,
     slot_weights,
 )
+from agent_mtp.training.precision import ExactTargetHead
 
 
 @dataclass(frozen=True)
@@ -107,10 +109,9 @@ def distill_gated(
     pos = mask_positions(seq)[None].to(dev)  # [1, M]
     autocast = torch.autocast(dev.type, dtype=torch.bfloat16) if cfg.bf16 else nullcontext()
     with autocast, slot_layout(rows[0, 0], seq.n_real, enabled=cfg.banded_attention):
-        student = model(input_ids=masks, attention_mask=rows, position_ids=pos, cache=cache, use_cache=True).logits[0]
+        student = _student_pass(model, adapter, masks, rows, pos, cache, cfg)
     cache.crop(-n_masks)
-    student = student.float()  # [M, V]
-    block = _teacher_inputs(ntp, _argmax(student.detach(), mask_token_id), region, j)
+    block = _teacher_inputs(ntp, student.drafts, region, j)
     if cfg.reuse_real_pass:
         follows = _follows_data(seq, block, region, j, data_index, in_doc)
     else:
@@ -118,7 +119,7 @@ def distill_gated(
     from_real = row_of[data_index[follows]]
     target = torch.empty_like(block)  # the teacher's argmax per slot
     target[follows] = real_argmax[from_real]
-    soft = real_logits.new_empty(student.shape) if cfg.teacher == "soft" else None  # full distributions: soft only
+    soft = real_logits.new_empty((n_masks, real_logits.shape[-1])) if cfg.teacher == "soft" else None  # soft only
     if soft is not None:
         soft[follows] = real_logits[from_real]
     rest = (~follows).nonzero().squeeze(1)
@@ -128,9 +129,58 @@ def distill_gated(
         target[rest] = _argmax(logits, mask_token_id)
         if soft is not None:
             soft[rest] = logits
-    out = _slot_loss(student, target, soft.float() if soft is not None else None, seq, cfg, mask_token_id)
+    if student.logits is not None:
+        out = _slot_loss(student.logits, target, soft.float() if soft is not None else None, seq, cfg, mask_token_id)
+    else:
+        assert student.hidden is not None and student.stats is not None
+        per_slot = head_cross_entropy(student.hidden, _student_head_weight(model, cfg), student.stats, target)
+        out = _weighted_loss(per_slot, student.drafts == target, seq, cfg)
     out.teacher_slots = int(rest.numel())
     return out
+
+
+@dataclass(frozen=True)
+class _Student:
+    """The student pass: full fp32 logits (soft teacher), or final hidden states with their fused head statistics
+    (hard teacher); ``drafts`` is its argmax per slot either way."""
+
+    drafts: torch.Tensor
+    logits: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None
+    stats: HeadStatistics | None = None
+
+
+def _student_pass(
+    model: Any,
+    adapter: MTPAdapter,
+    masks: torch.Tensor,
+    rows: torch.Tensor,
+    pos: torch.Tensor,
+    cache: Any,
+    cfg: ObjectiveConfig,
+) -> _Student:
+    """The student reads the masks (with gradient). The hard teacher's path runs the decoder without the CausalLM
+    wrapper and computes the head inside the fused cross-entropy (``training/head_loss.py``: no [M, V] logits are
+    kept); the wrapper's pre-hook sets the gate, so it is set here (every position of this pass is a mask)."""
+    if cfg.teacher == "soft":  # the KL needs the student's full distributions
+        out = model(input_ids=masks, attention_mask=rows, position_ids=pos, cache=cache, use_cache=True)
+        logits = out.logits[0].float()  # [M, V]
+        return _Student(drafts=_argmax(logits.detach(), adapter.mask_token_id), logits=logits)
+    with adapter.gate_override(torch.ones_like(masks, dtype=torch.bool)):
+        decoded = model.get_decoder()(
+            input_ids=masks, attention_mask=rows, position_ids=pos, cache=cache, use_cache=True
+        )
+    hidden = decoded.last_hidden_state[0]  # [M, H]
+    stats = head_statistics(hidden, _student_head_weight(model, cfg), mask_token_id=adapter.mask_token_id)
+    return _Student(drafts=stats.argmax, hidden=hidden, stats=stats)
+
+
+def _student_head_weight(model: Any, cfg: ObjectiveConfig) -> torch.Tensor:
+    """The output head the student's logits use: the bf16 twin's low-precision head, else the model's own weight
+    (cast to bf16 under the autocast option, as autocast does for the plain head)."""
+    head = model.get_output_embeddings()
+    weight = head.low if isinstance(head, ExactTargetHead) else head.weight
+    return weight.to(torch.bfloat16) if cfg.bf16 else weight
 
 
 def _data_index(seq: PackedSequence, anchor: torch.Tensor, j: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -289,10 +339,15 @@ def _slot_loss(
     cfg: ObjectiveConfig,
     mask_token_id: int,
 ) -> StepOutput:
-    region, j = (t.to(student.device) for t in slot_index(seq))
-    weights = slot_weights(seq, cfg.k_max, expected=cfg.k_sampling == "expected").to(student.device)
     per_slot = _hard_or_soft(student, target, teacher, cfg, mask_token_id)
-    hit = (_argmax(student.detach(), mask_token_id) == target).float()
+    return _weighted_loss(per_slot, _argmax(student.detach(), mask_token_id) == target, seq, cfg)
+
+
+def _weighted_loss(per_slot: torch.Tensor, hits: torch.Tensor, seq: PackedSequence, cfg: ObjectiveConfig) -> StepOutput:
+    """Weighted mean of the per-slot losses and the per-j agreement (``hits``: student argmax == target)."""
+    region, j = (t.to(per_slot.device) for t in slot_index(seq))
+    weights = slot_weights(seq, cfg.k_max, expected=cfg.k_sampling == "expected").to(per_slot.device)
+    hit = hits.float()
     if cfg.slots == "prefix":
         weights = weights * _up_to_first_miss(hit, region)
     loss = (per_slot * weights).sum() / weights.sum().clamp(min=1e-8)

@@ -33,6 +33,8 @@ class SpeedVariant:
     """False: the mask embedding is frozen, so the backward pass stops at the lowest LoRA layer."""
     model_dtype: str = "fp32"
     """"bf16": the step runs on the bf16 twin (``training/precision.py``)."""
+    train_layers: tuple[int, ...] | None = None
+    """LoRA layers with gradient (None: all); the backward pass stops at the lowest one."""
 
 
 @dataclass(frozen=True)
@@ -47,7 +49,8 @@ class SpeedResult:
 
 def parse_variant(text: str) -> SpeedVariant:
     """``name:key=value,...`` with keys regions, seq_len, k_max, bf16, reuse, embedding (0/1 for the booleans),
-    dtype (fp32 | bf16: the base weights) and attn (band | dense: slot attention)."""
+    dtype (fp32 | bf16: the base weights), attn (band | dense: slot attention) and train_layers (e.g. 16-29: the LoRA
+    layers with gradient)."""
     name, _, spec = text.partition(":")
     fields: dict[str, str] = {}
     for part in filter(None, spec.split(",")):
@@ -55,7 +58,7 @@ def parse_variant(text: str) -> SpeedVariant:
         if not sep:
             raise TrainingError(f"variant {text!r}: {part!r} is not key=value (e.g. 'fast:regions=256,bf16=1').")
         fields[key.strip()] = value.strip()
-    known = {"regions", "seq_len", "k_max", "bf16", "reuse", "embedding", "dtype", "attn"}
+    known = {"regions", "seq_len", "k_max", "bf16", "reuse", "embedding", "dtype", "attn", "train_layers"}
     if fields.get("attn", "band") not in ("band", "dense"):
         raise TrainingError(f"variant {text!r}: attn={fields['attn']!r}; use band or dense.")
     if fields.get("dtype", "fp32") not in ("fp32", "bf16"):
@@ -77,6 +80,7 @@ def parse_variant(text: str) -> SpeedVariant:
             seq_len=int(fields.get("seq_len", 384)),
             train_embedding=fields.get("embedding", "1") == "1",
             model_dtype=fields.get("dtype", "fp32"),
+            train_layers=_layer_range(fields["train_layers"]) if "train_layers" in fields else None,
         )
     except ValueError as e:
         raise TrainingError(f"variant {text!r}: {e}") from e
@@ -111,6 +115,7 @@ def measure_speed(
             cfg = replace(TrainConfig(), objective=v.objective, regions=v.regions, seq_len=v.seq_len, seed=r)
             seq = sample_sequence(records, r, cfg)
             adapter.mask_embedding.requires_grad_(v.train_embedding)
+            adapter.set_trainable_layers(v.train_layers)
             step_model, step_adapter = runners[v.model_dtype]
             t0 = time.perf_counter()
             out = distill_gated(step_model, step_adapter, seq, v.objective, mask_token_id=mask_token_id)
@@ -125,7 +130,14 @@ def measure_speed(
         if on_round is not None:
             on_round(r)
     adapter.mask_embedding.requires_grad_(True)
+    adapter.set_trainable_layers(None)
     return [_result(v.name, seconds[v.name], slots[v.name], teacher[v.name]) for v in variants]
+
+
+def _layer_range(text: str) -> tuple[int, ...]:
+    """ "16-29" -> 16..29 (a range: commas separate the variant's keys)."""
+    lo, sep, hi = text.partition("-")
+    return tuple(range(int(lo), int(hi) + 1)) if sep else (int(lo),)
 
 
 def _result(name: str, seconds: list[float], slots: list[int], teacher: list[int]) -> SpeedResult:

@@ -62,6 +62,9 @@ class TrainConfig:
     """Share of documents drawn from the agent-domain prompts (the rest: ShareGPT)."""
     freeze_embedding_after: int | None = None
     """Stop training the mask embedding after this step (then layers without LoRA need no backward)."""
+    train_layers: tuple[int, ...] | None = None
+    """LoRA layers the optimizer updates (None: all of the adapter's). The others keep their values (e.g. from
+    ``--resume``); with the mask embedding frozen, the backward pass stops at the lowest trained layer."""
     eval_every: int = 100
     eval_prompts: int = 8
     eval_max_new_tokens: int = 48
@@ -80,6 +83,11 @@ class TrainConfig:
             raise TrainingError(f"model_dtype={self.model_dtype!r}: use 'fp32' or 'bf16'.")
         if self.model_dtype == "bf16" and self.adapter != "gated-lora":
             raise TrainingError("model_dtype='bf16' needs --adapter gated-lora (use --bf16 autocast for 'full').")
+        if self.train_layers is not None and self.adapter != "gated-lora":
+            raise TrainingError("train_layers needs --adapter gated-lora (the full fine-tune trains every weight).")
+        if self.train_layers is not None and self.layers is not None and not set(self.train_layers) <= set(self.layers):
+            extra = sorted(set(self.train_layers) - set(self.layers))
+            raise TrainingError(f"train_layers has layers {extra} without LoRA; pick them from --layers {self.layers}.")
         if self.rank < 1 or self.steps < 1 or self.lr <= 0 or self.regions < 1:
             raise TrainingError(
                 f"rank={self.rank}, steps={self.steps}, lr={self.lr}, regions={self.regions}: all must be positive."
@@ -168,6 +176,7 @@ class Trainer:
                 layers=config.layers,
                 k_max_trained=config.objective.k_max,
             )
+            self.adapter.set_trainable_layers(config.train_layers)
             self.params = self.adapter.trainable_parameters()
             self.step_adapter = self.adapter
             if config.model_dtype == "bf16":

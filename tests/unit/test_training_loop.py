@@ -115,6 +115,28 @@ def test_checkpoint_and_resume_give_the_same_state(tmp_path: Path) -> None:
     assert all(torch.equal(sa[k]["exp_avg"], sb[k]["exp_avg"]) for k in sa)
 
 
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")  # layer 2's inputs need no gradient: the point
+def test_train_layers_update_only_those_layers_and_stop_the_backward(tmp_path: Path) -> None:
+    model = tiny_model(seed=16, layers=3)
+    records = own_outputs(model, 8)
+    before = {k: v.clone() for k, v in make_trainer(model, records, tmp_path / "ref").adapter.state_tensors().items()}
+    model = tiny_model(seed=16, layers=3)
+    trainer = make_trainer(model, records, tmp_path / "a", train_layers=(2,), freeze_embedding_after=0)
+    assert trainer.adapter is not None
+    reached: list[str] = []  # decoder layers the backward pass runs through
+    for i, layer in enumerate(trainer.step_model.model.layers):
+        layer.register_full_backward_hook(lambda *_, i=i: reached.append(f"layer {i}"))
+    for _ in range(2):
+        trainer.train_step()
+    assert reached and set(reached) == {"layer 2"}
+    after = trainer.adapter.state_tensors()
+    for name, tensor in after.items():
+        changed = not torch.equal(tensor, before[name])
+        assert changed == (".layers.2." in name), name  # the mask embedding is frozen from step 0 too
+    with pytest.raises(TrainingError, match=r"train_layers has layers \[0\] without LoRA"):
+        make_trainer(tiny_model(seed=16, layers=3), records, tmp_path / "b", layers=(1, 2), train_layers=(0, 2))
+
+
 def test_resume_with_another_rank_is_a_clear_error(tmp_path: Path) -> None:
     records = own_outputs(tiny_model(seed=13), 6)
     a = make_trainer(tiny_model(seed=13), records, tmp_path / "a")
