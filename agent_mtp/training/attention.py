@@ -34,6 +34,9 @@ class SlotLayout:
     """[S, W] long: index (among the S slots) of the key at band offset w (s - w, clamped at 0)."""
     band_bias: torch.Tensor
     """[S, W] float32: 0 where that key is visible, -inf elsewhere."""
+    blocks: tuple[tuple[int, int, int, int], ...] = ()
+    """(s0, s1, l0, l1): slots s0..s1-1 see no real key outside l0..l1-1 (their document's prefix), so each block
+    scores only those keys. Empty: one block of all slots and all real keys."""
 
     @classmethod
     def from_rows(cls, rows: torch.Tensor, n_real: int) -> SlotLayout | None:
@@ -54,7 +57,36 @@ class SlotLayout:
             real_bias=torch.where(rows[:, :n_real], zero, float("-inf")),
             band_index=band_index,
             band_bias=torch.where(visible, zero, float("-inf")),
+            blocks=_document_blocks(rows[:, :n_real]),
         )
+
+
+MAX_BLOCKS = 32
+
+
+def _document_blocks(real: torch.Tensor) -> tuple[tuple[int, int, int, int], ...]:
+    """Runs of consecutive slots whose first visible real key is the same (one document's slots, since regions are
+    packed in order), each with the real-key range its slots can see. Packed documents make the [S, L] real part
+    block-diagonal: a slot sees only its own document's prefix, a small share of L. Falls back to one block when
+    the layout has more than ``MAX_BLOCKS`` runs."""
+    n_slots, n_real = real.shape
+    if n_slots == 0 or n_real == 0:
+        return ()
+    seen = real.any(1)
+    index = torch.arange(n_real, device=real.device)
+    first = torch.where(real, index, n_real).amin(1)
+    last = torch.where(real, index, -1).amax(1)
+    first = torch.where(seen, first, -1)  # a slot that sees no real key joins whatever block it is in
+    starts = [0] + [int(s) for s in (first[1:] != first[:-1]).nonzero().squeeze(1).add(1).tolist()]
+    if len(starts) > MAX_BLOCKS:
+        return ()
+    blocks = []
+    for s0, s1 in zip(starts, [*starts[1:], n_slots], strict=True):
+        part_first, part_last = first[s0:s1], last[s0:s1]
+        l0 = int(part_first[part_first >= 0].min()) if bool((part_first >= 0).any()) else 0
+        l1 = int(part_last.max()) + 1
+        blocks.append((s0, s1, l0, max(l0, l1)))
+    return tuple(blocks)
 
 
 _LAYOUT: ContextVar[SlotLayout | None] = ContextVar("agent_mtp_slot_layout", default=None)
@@ -115,13 +147,36 @@ def _banded(
     k_real, v_real = key[:, :, :n_real], value[:, :, :n_real]
     k_band = key[:, :, n_real:][:, :, layout.band_index]  # [1, KVH, S, W, D]
     v_band = value[:, :, n_real:][:, :, layout.band_index]
-    s_real = (q.reshape(1, kv_heads, group * n, dim) @ k_real.transpose(-1, -2)).view(1, kv_heads, group, n, n_real)
-    s_band = torch.einsum("bkgsd,bkswd->bkgsw", q, k_band)
     real_bias, band_bias = layout.real_bias.to(query.dtype), layout.band_bias.to(query.dtype)
-    p = torch.cat([s_real + real_bias, s_band + band_bias], -1).softmax(-1)
-    out = (p[..., :n_real].reshape(1, kv_heads, group * n, n_real) @ v_real).view(1, kv_heads, group, n, dim)
-    out = out + torch.einsum("bkgsw,bkswd->bkgsd", p[..., n_real:], v_band)
+    parts = []
+    for s0, s1, l0, l1 in layout.blocks or ((0, n, 0, n_real),):
+        parts.append(
+            _block(
+                q[:, :, :, s0:s1],
+                (k_real[:, :, l0:l1], v_real[:, :, l0:l1], real_bias[s0:s1, l0:l1]),
+                (k_band[:, :, s0:s1], v_band[:, :, s0:s1], band_bias[s0:s1]),
+            )
+        )
+    out = parts[0] if len(parts) == 1 else torch.cat(parts, 3)  # [1, KVH, G, S, D]
     return out.reshape(1, heads, n, dim).transpose(1, 2).contiguous()
+
+
+def _block(
+    q: torch.Tensor,
+    real: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    band: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+) -> torch.Tensor:
+    """[1, KVH, G, s, D]: one block of slots over its real keys (dense, additive bias) and its band keys, one
+    softmax over both."""
+    _, kv_heads, group, n, dim = q.shape
+    k_real, v_real, real_bias = real
+    k_band, v_band, band_bias = band
+    n_keys = k_real.shape[2]
+    s_real = (q.reshape(1, kv_heads, group * n, dim) @ k_real.transpose(-1, -2)).view(1, kv_heads, group, n, n_keys)
+    s_band = torch.einsum("bkgsd,bkswd->bkgsw", q, k_band)
+    p = torch.cat([s_real + real_bias, s_band + band_bias], -1).softmax(-1)
+    out = (p[..., :n_keys].reshape(1, kv_heads, group * n, n_keys) @ v_real).view(1, kv_heads, group, n, dim)
+    return out + torch.einsum("bkgsw,bkswd->bkgsd", p[..., n_keys:], v_band)
 
 
 def _register() -> None:

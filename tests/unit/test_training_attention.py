@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from agent_mtp.training.attention import SlotLayout, use_slot_attention
+from agent_mtp.training.attention import MAX_BLOCKS, SlotLayout, use_slot_attention
 from agent_mtp.training.objective import ObjectiveConfig, distill_gated
 from agent_mtp.training.packing import Region, mask_attention_rows, pack_documents
 from tests.unit.test_training_objective import MASK, tiny_adapter, tiny_model
@@ -15,19 +16,21 @@ def _seq() -> object:
     return pack_documents(docs, [Region(1, 3), Region(3, 3), Region(4, 1), Region(7, 2), Region(10, 3), Region(12, 3)])
 
 
-def _step(slot_attention: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def _step(slot_attention: bool, teacher: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
     model = tiny_model(seed=31)
     adapter = tiny_adapter(model, seed=32)
     if slot_attention:
         use_slot_attention(model)
-    out = distill_gated(model, adapter, _seq(), ObjectiveConfig(k_max=4, teacher="soft"), mask_token_id=MASK)
+    cfg = ObjectiveConfig(k_max=4, teacher=teacher)  # type: ignore[arg-type]
+    out = distill_gated(model, adapter, _seq(), cfg, mask_token_id=MASK)
     out.loss.backward()
     return out.loss.detach(), [p.grad.clone() for p in adapter.trainable_parameters() if p.grad is not None]
 
 
-def test_banded_attention_matches_dense_sdpa_loss_and_gradients() -> None:
-    dense_loss, dense_grads = _step(False)
-    band_loss, band_grads = _step(True)
+@pytest.mark.parametrize("teacher", ["soft", "hard"])  # the full-logits path and the fused head loss
+def test_banded_attention_matches_dense_sdpa_loss_and_gradients(teacher: str) -> None:
+    dense_loss, dense_grads = _step(False, teacher)
+    band_loss, band_grads = _step(True, teacher)
     torch.testing.assert_close(band_loss, dense_loss, atol=1e-5, rtol=1e-5)
     assert len(band_grads) == len(dense_grads) > 0
     for a, b in zip(band_grads, dense_grads, strict=True):
@@ -42,6 +45,17 @@ def test_layout_of_packed_rows_is_a_band_of_the_region_width() -> None:
     assert layout.band_index.shape == (seq.n_masks, 3)  # type: ignore[attr-defined]
     visible = torch.isfinite(layout.band_bias).sum(1).tolist()
     assert visible == [1, 2, 3, 1, 2, 3, 1, 1, 2, 1, 2, 3, 1, 2, 3]  # j of each slot: itself and earlier slots
+    # one block per document: its slots and the real keys up to its last anchor (document 2 starts at token 9)
+    assert layout.blocks == ((0, 9, 0, 8), (9, 15, 9, 13))  # type: ignore[attr-defined]
+
+
+def test_too_many_document_blocks_fall_back_to_one_dense_block() -> None:
+    n = MAX_BLOCKS + 2
+    real = torch.zeros(n, n, dtype=torch.bool)
+    real[torch.arange(n), torch.arange(n)] = True  # every slot sees a different single key: n runs
+    rows = torch.cat([real, torch.eye(n, dtype=torch.bool)], 1)
+    layout = SlotLayout.from_rows(rows, n)
+    assert layout is not None and layout.blocks == ()
 
 
 def test_a_mask_that_is_not_a_band_falls_back() -> None:
