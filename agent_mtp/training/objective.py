@@ -12,8 +12,9 @@ once without gradient and their KV cache is shared by the student pass (masks on
 pass (the student's block only, LoRA off). The real-token pass is the teacher on the data: wherever the student's
 block so far equals the document's own next tokens, the teacher's logits at that slot are the real pass's logits at
 the matching real token, so the teacher pass only runs the slots after a region's first departure from the data
-(exactly the same targets; the share of skipped slots grows as the student learns). Full fine-tuning runs the whole
-packed sequence through the student and a frozen teacher copy.
+(exactly the same targets; the share of skipped slots grows as the student learns). With the hard teacher the
+student's output head and cross-entropy are fused and chunked (``training/head_loss.py``), so no [slots, vocabulary]
+logits are kept. Full fine-tuning runs the whole packed sequence through the student and a frozen teacher copy.
 """
 
 from __future__ import annotations
