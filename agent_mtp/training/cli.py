@@ -221,6 +221,7 @@ DEFAULT_SPEED_VARIANTS = (
     "first-recipe:regions=160,k_max=4,bf16=1,reuse=0,attn=dense",
     "fast-k8:regions=256,k_max=8,dtype=bf16,embedding=0",
     "fast-k4:regions=256,k_max=4,dtype=bf16,embedding=0",
+    "fast-k4-upper:regions=256,k_max=4,dtype=bf16,embedding=0,train_layers=16-29",
 )
 
 
@@ -258,14 +259,25 @@ def distill_speed_command(
     if as_json:
         typer.echo(json.dumps([r.__dict__ for r in results], indent=2))
         return
+    from rich.table import Table
+
+    from agent_mtp.cli_common import out
+
+    table = Table(title="trainer steps side by side (objective + backward)")
+    for i, column in enumerate(("variant", "s/step", "slots/step", "slots/s", "vs first", "teacher share")):
+        table.add_column(column, justify="left" if i == 0 else "right", no_wrap=i == 0)
     base = results[0].slots_per_s
-    typer.echo(f"{'variant':<22} {'s/step':>8} {'slots/step':>10} {'slots/s':>8} {'vs first':>8} {'teacher share':>13}")
     for r in results:
         ratio = r.slots_per_s / base if base else float("nan")
-        typer.echo(
-            f"{r.name:<22} {r.seconds_per_step:>8.2f} {r.slots_per_step:>10.0f} {r.slots_per_s:>8.1f} "
-            f"{ratio:>7.2f}x {r.teacher_share:>13.2f}"
+        table.add_row(
+            r.name,
+            f"{r.seconds_per_step:.2f}",
+            f"{r.slots_per_step:.0f}",
+            f"{r.slots_per_s:.1f}",
+            f"{ratio:.2f}x",
+            f"{r.teacher_share:.2f}",
         )
+    out.print(table)
 
 
 def _speed(
