@@ -85,9 +85,10 @@ def distill_gated(
     n_masks = seq.n_masks
     dev = _device(model)
     region, j = (t.to(dev) for t in slot_index(seq))
-    anchor = anchors(seq).to(dev)[region]  # [M] the anchor of each slot's region
+    region_anchors = anchors(seq).to(dev)  # [R]
+    anchor = region_anchors[region]  # [M] the anchor of each slot's region
     data_index, in_doc = _data_index(seq, anchor, j)
-    keep = anchors(seq).to(dev)
+    keep = region_anchors
     if cfg.reuse_real_pass:
         keep = torch.cat([keep, data_index[in_doc]])
     keep = keep.unique()  # sorted, each real row once
@@ -104,7 +105,7 @@ def distill_gated(
     row_of[keep] = torch.arange(keep.shape[0], device=dev)
     real_logits = real.logits[0]  # [len(keep), V]
     real_argmax = _argmax(real_logits, mask_token_id)  # the teacher's token after each kept real token
-    ntp = real_argmax[row_of[anchors(seq).to(dev)]]  # [R]: y'_1 of every region
+    ntp = real_argmax[row_of[region_anchors]]  # [R]: y'_1 of every region
     masks = torch.full((1, n_masks), mask_token_id, dtype=torch.long, device=dev)
     rows = as_4d(mask_attention_rows(seq)).to(dev)  # [1, 1, M, L + M]
     pos = mask_positions(seq)[None].to(dev)  # [1, M]
