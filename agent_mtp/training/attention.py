@@ -76,16 +76,14 @@ def _document_blocks(real: torch.Tensor) -> tuple[tuple[int, int, int, int], ...
     index = torch.arange(n_real, device=real.device)
     first = torch.where(real, index, n_real).amin(1)
     last = torch.where(real, index, -1).amax(1)
-    first = torch.where(seen, first, -1)  # a slot that sees no real key joins whatever block it is in
+    first = torch.where(seen, first, -1)  # slots that see no real key form runs with an empty key range
     starts = [0] + [int(s) for s in (first[1:] != first[:-1]).nonzero().squeeze(1).add(1).tolist()]
     if len(starts) > MAX_BLOCKS:
         return ()
     blocks = []
     for s0, s1 in zip(starts, [*starts[1:], n_slots], strict=True):
-        part_first, part_last = first[s0:s1], last[s0:s1]
-        l0 = int(part_first[part_first >= 0].min()) if bool((part_first >= 0).any()) else 0
-        l1 = int(part_last.max()) + 1
-        blocks.append((s0, s1, l0, max(l0, l1)))
+        l0 = int(first[s0])  # the same for every slot of the run
+        blocks.append((s0, s1, 0, 0) if l0 < 0 else (s0, s1, l0, int(last[s0:s1].max()) + 1))
     return tuple(blocks)
 
 

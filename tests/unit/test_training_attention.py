@@ -61,3 +61,13 @@ def test_too_many_document_blocks_fall_back_to_one_dense_block() -> None:
 def test_a_mask_that_is_not_a_band_falls_back() -> None:
     rows = torch.ones(3, 5, dtype=torch.bool)  # slot 0 sees slot 2 (a later one): not a band below the diagonal
     assert SlotLayout.from_rows(rows, 2) is None
+
+
+def test_document_blocks_cover_each_run_of_slots_with_its_visible_keys() -> None:
+    real = torch.tensor(
+        [[1, 1, 0, 0], [1, 1, 0, 0], [0, 0, 0, 0], [0, 0, 1, 0], [0, 0, 1, 1]], dtype=torch.bool
+    )  # document A (keys 0-1), a slot that sees no real key, document B (keys 2-3)
+    rows = torch.cat([real, torch.eye(5, dtype=torch.bool)], 1)
+    layout = SlotLayout.from_rows(rows, 4)
+    assert layout is not None
+    assert layout.blocks == ((0, 2, 0, 2), (2, 3, 0, 0), (3, 5, 2, 4))
