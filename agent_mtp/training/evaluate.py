@@ -51,17 +51,25 @@ def variants(k_max: int, max_new_tokens: int) -> dict[str, DecodeConfig]:
 def evaluate(engine: MTPEngine, prompts: Sequence[EvalPrompt], *, k_max: int, max_new_tokens: int) -> dict[str, Any]:
     """Metrics over ``prompts``: ``tpf_<variant>`` (generated tokens / forward passes, pooled), ``agree_<variant>``
     (fraction of NTP tokens reproduced before the first divergence), ``json_valid_<variant>`` on JSON kinds,
-    ``verified_exact`` (verified output == NTP output on every prompt)."""
+    ``verified_exact`` (verified output == NTP output on every prompt).
+
+    Verified mode runs without the engine's cost-aware planner (every pass verifies the whole MTP draft and appends
+    k_max - 1 masks): the planner's choices depend on this machine's measured cost curve, so with it the figure
+    would measure the machine as much as the adapter. ``agent-mtp bench`` measures the planned engine."""
     outputs: dict[str, list[tuple[list[int], str, int]]] = {}
-    was_training = engine.model.training
+    was_training, was_cost_aware = engine.model.training, engine.cost_aware
     engine.model.eval()
-    with torch.no_grad():
-        for name, cfg in variants(k_max, max_new_tokens).items():
-            outputs[name] = []
-            for p in prompts:
-                r = engine.generate(p.prompt_ids, cfg)
-                outputs[name].append((r.token_ids, r.text, r.stats.forward_passes))
-    engine.model.train(was_training)
+    engine.cost_aware = False
+    try:
+        with torch.no_grad():
+            for name, cfg in variants(k_max, max_new_tokens).items():
+                outputs[name] = []
+                for p in prompts:
+                    r = engine.generate(p.prompt_ids, cfg)
+                    outputs[name].append((r.token_ids, r.text, r.stats.forward_passes))
+    finally:
+        engine.model.train(was_training)
+        engine.cost_aware = was_cost_aware
     metrics: dict[str, Any] = {}
     ntp = outputs["ntp"]
     for name, outs in outputs.items():

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 import torch
 
+from agent_mtp.engine.cost import CostCurve
 from agent_mtp.errors import TrainingError
 from agent_mtp.training.data import Record, _greedy_batch
 from agent_mtp.training.evaluate import EvalPrompt, draft_tokens_per_forward, evaluate
@@ -92,6 +93,14 @@ def test_a_few_steps_raise_tokens_per_forward_on_own_outputs(tmp_path: Path) -> 
     # the engine's lossless mode still reproduces NTP exactly with the trained adapter
     metrics = evaluate(trainer.engine, [EvalPrompt("list", heldout[0].prompt_ids)], k_max=4, max_new_tokens=12)
     assert metrics["verified_exact"]
+    # the figure measures the adapter, not the machine: the same whatever cost curve the engine measured
+    prompts = [EvalPrompt("list", r.prompt_ids) for r in heldout]
+    trainer.engine.set_cost_curve(CostCurve(((1, 1.0), (2, 8.0))))  # a machine where a 2-token pass costs 8x
+    steep = evaluate(trainer.engine, prompts, k_max=4, max_new_tokens=16)
+    trainer.engine.set_cost_curve(CostCurve.flat())
+    flat = evaluate(trainer.engine, prompts, k_max=4, max_new_tokens=16)
+    assert steep == flat and steep["tpf_verified"] > 1.0
+    assert trainer.engine.cost_aware  # restored
 
 
 def test_checkpoint_and_resume_give_the_same_state(tmp_path: Path) -> None:
