@@ -1,6 +1,6 @@
 """The shipped MTP adapter of the default model: it loads, stays lossless, and is faster than an untrained mask.
 
-The floors sit below what the shipped (CPU-trained, ~2.5 hours in two phases) adapter reaches on these prompts; see
+The floors sit below what the shipped (CPU-trained, 4.4 hours in four phases) adapter reaches on these prompts; see
 docs/default-model.md for the measured numbers and the training it would take to reach the issue's targets.
 """
 
@@ -29,11 +29,12 @@ PROMPTS = [
     ],
 ]
 K_MAX = 4  # the block size the shipped adapter was trained for
-VERIFIED_FLOOR = 1.75
-"""Pooled verified tokens/forward on PROMPTS (measured 1.97 with the shipped adapter, 1.82 with the phase-1 one;
-the untrained mask ~1.0)."""
-CONFADAPT_09_FLOOR = 1.3
-"""ConfAdapt tau 0.9 pooled tokens/forward (measured 1.46; phase 1: 1.24): the issue's 1.5 is NOT reached yet."""
+VERIFIED_FLOOR = 2.1
+"""Pooled verified tokens/forward on PROMPTS without the cost-aware planner (measured 2.36 with the shipped phase-4
+adapter, 2.27 with phase 2's; the untrained mask ~1.0)."""
+CONFADAPT_09_FLOOR = 1.5
+"""ConfAdapt tau 0.9 pooled tokens/forward: the issue's floor (measured 1.62 with the shipped adapter; phase 2:
+1.46)."""
 
 SHIPPED = Path(DEFAULT_ADAPTER_DIR)
 CHECKPOINT = Path(__file__).resolve().parents[2] / "checkpoints" / "smollm2-135m-instruct"
@@ -67,9 +68,15 @@ def test_default_engine_loads_the_shipped_adapter(default_engine) -> None:
 
 
 def test_verified_is_lossless_and_above_its_floor(default_engine) -> None:
+    """The floor measures the adapter: the cost-aware planner is off (its choices follow this machine's measured
+    cost curve), so every pass verifies the whole MTP draft, as in the trainer's evaluation."""
     base = DecodeConfig(mode="ntp", k_max=K_MAX, max_new_tokens=48)
     _, ntp = pooled_tpf(default_engine, base)
-    tpf, verified = pooled_tpf(default_engine, base.replace(mode="verified", drafts=("mtp",)))
+    default_engine.cost_aware = False
+    try:
+        tpf, verified = pooled_tpf(default_engine, base.replace(mode="verified", drafts=("mtp",)))
+    finally:
+        default_engine.cost_aware = True
     assert verified == ntp
     assert tpf >= VERIFIED_FLOOR
 
