@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from agent_mtp.errors import TrainingError
 from agent_mtp.training.head_loss import head_cross_entropy, head_statistics
 
 
@@ -72,7 +73,7 @@ def test_no_gradient_pass_keeps_nothing_for_backward() -> None:
 
 
 def test_bad_shapes_and_chunk_are_clear_errors() -> None:
-    with pytest.raises(ValueError, match=r"need \[N, H\] and \[V, H\]"):
+    with pytest.raises(TrainingError, match=r"need \[N, H\] and \[V, H\]"):
         head_statistics(torch.randn(5, 4), torch.randn(10, 3), mask_token_id=9)
-    with pytest.raises(ValueError, match="chunk=0"):
+    with pytest.raises(TrainingError, match="chunk=0"):
         head_statistics(torch.randn(5, 4), torch.randn(10, 4), mask_token_id=9, chunk=0)
