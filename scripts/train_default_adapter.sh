@@ -29,4 +29,5 @@ fi
 agent-mtp distill --data-dir "$DATA" --out "$OUT" --adapter gated-lora --rank 8 --layers 8-29 --k-max 4 \
   --model-dtype bf16 --regions 256 --seq-len 384 --lr "$LR" --warmup 15 --steps "$STEPS" \
   --freeze-embedding-after 394 --train-layers "$TRAIN_LAYERS" --eval-every "$EVAL_EVERY" --eval-prompts 6 \
-  --eval-max-new-tokens 40 --checkpoint-minutes 5 --max-minutes "$MINUTES" --threads "$THREADS" --no-progress "${RESUME_ARGS[@]}"
+  --eval-max-new-tokens 40 --checkpoint-minutes 5 --max-minutes "$MINUTES" --threads "$THREADS" --no-progress \
+  "${RESUME_ARGS[@]}"

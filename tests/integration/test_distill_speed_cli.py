@@ -13,7 +13,8 @@ from agent_mtp.training.data import _encode
 
 
 def _write_data(directory: Path, engine: MTPEngine) -> None:
-    """A few records in the trainer's format: chat-template prompts and the model's own-looking answers."""
+    """A few records in the trainer's format: chat-template prompts and hand-written answers (a speed measurement
+    needs tokens to anchor regions on, not the model's own outputs)."""
     tok = engine.tokenizer
     rows = []
     for i, (question, answer) in enumerate(
