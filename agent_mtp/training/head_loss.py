@@ -51,7 +51,7 @@ class _LogSumExp(torch.autograd.Function):
         for start in range(0, rows, chunk):
             part = slice(start, min(rows, start + chunk))
             logits = (h[part] @ weight.T).float()
-            argmax[part] = _argmax_without(logits, mask_token_id)
+            argmax[part] = argmax_without_mask(logits, mask_token_id)
             lse[part] = torch.logsumexp(logits, -1)
             if mixed is not None:
                 probs = logits.sub_(lse[part, None]).exp_()  # in place: the chunk's logits are done
@@ -96,10 +96,12 @@ def head_cross_entropy(
     return stats.lse - target_logit
 
 
-def _argmax_without(logits: torch.Tensor, mask_token_id: int) -> torch.Tensor:
+def argmax_without_mask(logits: torch.Tensor, mask_token_id: int) -> torch.Tensor:
+    """Argmax over the last dimension that never picks the mask token (its row may exist in a tied lm_head). No copy
+    when the mask token is the last row (the usual case: ``<mask>`` is added at the end of the vocabulary)."""
     if mask_token_id == logits.shape[-1] - 1:
-        return logits[:, :-1].argmax(-1)
+        return logits[..., :-1].argmax(-1)
     if 0 <= mask_token_id < logits.shape[-1]:
         logits = logits.clone()
-        logits[:, mask_token_id] = float("-inf")
+        logits[..., mask_token_id] = float("-inf")
     return logits.argmax(-1)

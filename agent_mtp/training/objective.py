@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from agent_mtp.engine.adapter import MTPAdapter
 from agent_mtp.errors import TrainingError
 from agent_mtp.training.attention import slot_layout
-from agent_mtp.training.head_loss import HeadStatistics, head_cross_entropy, head_statistics
+from agent_mtp.training.head_loss import HeadStatistics, argmax_without_mask, head_cross_entropy, head_statistics
 from agent_mtp.training.packing import (
     PackedSequence,
     anchors,
@@ -104,7 +104,7 @@ def distill_gated(
     row_of = torch.full((seq.n_real,), -1, dtype=torch.long, device=dev)
     row_of[keep] = torch.arange(keep.shape[0], device=dev)
     real_logits = real.logits[0]  # [len(keep), V]
-    real_argmax = _argmax(real_logits, mask_token_id)  # the teacher's token after each kept real token
+    real_argmax = argmax_without_mask(real_logits, mask_token_id)  # the teacher's token after each kept real token
     ntp = real_argmax[row_of[region_anchors]]  # [R]: y'_1 of every region
     masks = torch.full((1, n_masks), mask_token_id, dtype=torch.long, device=dev)
     rows = as_4d(mask_attention_rows(seq)).to(dev)  # [1, 1, M, L + M]
@@ -128,7 +128,7 @@ def distill_gated(
     if rest.numel():
         slots = _Slots(block, anchor, region, j, pos[0])
         logits = _teacher_pass(model, adapter, seq, cache, slots, follows, rest, banded=cfg.banded_attention)
-        target[rest] = _argmax(logits, mask_token_id)
+        target[rest] = argmax_without_mask(logits, mask_token_id)
         if soft is not None:
             soft[rest] = logits
     if student.logits is not None:
@@ -167,7 +167,7 @@ def _student_pass(
     if cfg.teacher == "soft":  # the KL needs the student's full distributions
         out = model(input_ids=masks, attention_mask=rows, position_ids=pos, cache=cache, use_cache=True)
         logits = out.logits[0].float()  # [M, V]
-        return _Student(drafts=_argmax(logits.detach(), adapter.mask_token_id), logits=logits)
+        return _Student(drafts=argmax_without_mask(logits.detach(), adapter.mask_token_id), logits=logits)
     with adapter.gate_override(torch.ones_like(masks, dtype=torch.bool)):
         decoded = model.get_decoder()(
             input_ids=masks, attention_mask=rows, position_ids=pos, cache=cache, use_cache=True
@@ -272,16 +272,18 @@ def distill_full(
     logits = logits.float()
     n_regions = len(seq.regions)
     at_anchor, at_masks = logits[:n_regions], logits[n_regions:]
-    ntp = _argmax(at_anchor.detach(), mask_token_id)
-    block = _teacher_inputs(ntp, _argmax(at_masks.detach(), mask_token_id), region, j)
+    ntp = argmax_without_mask(at_anchor.detach(), mask_token_id)
+    block = _teacher_inputs(ntp, argmax_without_mask(at_masks.detach(), mask_token_id), region, j)
     with torch.no_grad():
         t_ids = torch.cat([real_ids, block])[None]
         t_logits = teacher_model(input_ids=t_ids, attention_mask=attn, position_ids=pos, logits_to_keep=keep).logits[0]
     t_logits = t_logits.float()
     t_masks = t_logits[n_regions:]
-    out = _slot_loss(at_masks, _argmax(t_masks, mask_token_id), t_masks, seq, cfg, mask_token_id)
+    out = _slot_loss(at_masks, argmax_without_mask(t_masks, mask_token_id), t_masks, seq, cfg, mask_token_id)
     t_anchor = t_logits[:n_regions]
-    ntp_loss = _hard_or_soft(at_anchor, _argmax(t_anchor, mask_token_id), t_anchor, cfg, mask_token_id).mean()
+    ntp_loss = _hard_or_soft(
+        at_anchor, argmax_without_mask(t_anchor, mask_token_id), t_anchor, cfg, mask_token_id
+    ).mean()
     total_weight = float(slot_weights(seq, cfg.k_max, expected=cfg.k_sampling == "expected").sum())
     out.loss = (out.loss * total_weight + ntp_loss * n_regions) / (total_weight + n_regions)
     return out
@@ -294,17 +296,6 @@ def _device(model: Any) -> torch.device:
 def _real_attention(seq: PackedSequence) -> torch.Tensor:
     i = torch.arange(seq.n_real)
     return (seq.doc_ids[:, None] == seq.doc_ids[None, :]) & (i[None, :] <= i[:, None])
-
-
-def _argmax(logits: torch.Tensor, mask_token_id: int) -> torch.Tensor:
-    """Argmax that never picks the mask token (its row may exist in a tied lm_head). No copy when the mask token is
-    the last row (the usual case: ``<mask>`` is added at the end of the vocabulary)."""
-    if mask_token_id == logits.shape[-1] - 1:
-        return logits[..., :-1].argmax(-1)
-    if mask_token_id < logits.shape[-1]:
-        logits = logits.clone()
-        logits[..., mask_token_id] = float("-inf")
-    return logits.argmax(-1)
 
 
 def _teacher_inputs(ntp: torch.Tensor, drafts: torch.Tensor, region: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
@@ -342,7 +333,7 @@ def _slot_loss(
     mask_token_id: int,
 ) -> StepOutput:
     per_slot = _hard_or_soft(student, target, teacher, cfg, mask_token_id)
-    return _weighted_loss(per_slot, _argmax(student.detach(), mask_token_id) == target, seq, cfg)
+    return _weighted_loss(per_slot, argmax_without_mask(student.detach(), mask_token_id) == target, seq, cfg)
 
 
 def _weighted_loss(per_slot: torch.Tensor, hits: torch.Tensor, seq: PackedSequence, cfg: ObjectiveConfig) -> StepOutput:
