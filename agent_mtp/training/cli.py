@@ -62,6 +62,20 @@ def distill_command(
             help="LoRA layers the optimizer updates ('all' or e.g. '16-29'); the others keep their (resumed) values.",
         ),
     ] = "all",
+    real_pass_cache: Annotated[
+        bool,
+        typer.Option(
+            "--real-pass-cache/--no-real-pass-cache",
+            help="Compute each record's real-token pass once and read it back on later draws (gated-lora, hard).",
+        ),
+    ] = True,
+    real_pass_dir: Annotated[
+        Path | None,
+        typer.Option("--real-pass-dir", help="Where that cache persists (default: DATA_DIR/real-pass-cache)."),
+    ] = None,
+    real_pass_memory_gb: Annotated[
+        float, typer.Option("--real-pass-memory-gb", help="In-memory budget of the real-pass cache.")
+    ] = 4.0,
     bf16: Annotated[bool, typer.Option("--bf16/--fp32", help="bf16 autocast for the student pass.")] = False,
     model_dtype: Annotated[
         str, typer.Option("--model-dtype", help="fp32 | bf16: base weights of the training steps (bf16 twin).")
@@ -190,6 +204,8 @@ def _distill(**o: Any) -> None:
         agent_fraction=float(o["agent_fraction"]),
         freeze_embedding_after=o["freeze_embedding_after"],
         train_layers=parse_layers(str(o["train_layers"]), "--train-layers"),
+        real_pass_cache=bool(o["real_pass_cache"]),
+        real_pass_memory_gb=float(o["real_pass_memory_gb"]),
         eval_every=int(o["eval_every"]),
         eval_prompts=int(o["eval_prompts"]),
         eval_max_new_tokens=int(o["eval_max_new_tokens"]),
@@ -209,6 +225,7 @@ def _distill(**o: Any) -> None:
         out_dir=o["out"],
         progress=not o["no_progress"],
         extra_eval=unseen_tool_prompts(lm.tokenizer, 2) if int(o["eval_prompts"]) > 0 else (),
+        real_pass_dir=o["real_pass_dir"] if o["real_pass_dir"] is not None else data_dir / "real-pass-cache",
     )
     if o["resume"] is not None:
         trainer.resume(o["resume"])
@@ -222,6 +239,8 @@ DEFAULT_SPEED_VARIANTS = (
     "fast-k8:regions=256,k_max=8,dtype=bf16,embedding=0",
     "fast-k4:regions=256,k_max=4,dtype=bf16,embedding=0",
     "fast-k4-upper:regions=256,k_max=4,dtype=bf16,embedding=0,train_layers=16-29",
+    "cached-k8:regions=256,k_max=8,dtype=bf16,embedding=0,cache=1",
+    "cached-k4-upper:regions=256,k_max=4,dtype=bf16,embedding=0,train_layers=16-29,cache=1",
 )
 
 
@@ -229,7 +248,8 @@ def distill_speed_command(
     variant: Annotated[
         list[str] | None,
         typer.Option(
-            help="name:key=value,... (regions, seq_len, k_max, bf16, reuse, embedding, dtype, attn); repeatable."
+            help="name:key=value,... (regions, seq_len, k_max, bf16, reuse, embedding, dtype, attn, train_layers, "
+            "cache); repeatable."
         ),
     ] = None,
     adapter_dir: Annotated[

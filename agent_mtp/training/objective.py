@@ -12,9 +12,11 @@ once without gradient and their KV cache is shared by the student pass (masks on
 pass (the student's block only, LoRA off). The real-token pass is the teacher on the data: wherever the student's
 block so far equals the document's own next tokens, the teacher's logits at that slot are the real pass's logits at
 the matching real token, so the teacher pass only runs the slots after a region's first departure from the data
-(exactly the same targets; the share of skipped slots grows as the student learns). With the hard teacher the
-student's output head and cross-entropy are fused and chunked (``training/head_loss.py``), so no [slots, vocabulary]
-logits are kept. Full fine-tuning runs the whole packed sequence through the student and a frozen teacher copy.
+(exactly the same targets; the share of skipped slots grows as the student learns). Since that pass depends only on
+the base model and the record, a ``RealPassStore`` (``training/real_cache.py``) can compute it once per record and
+hand every later step its KV cache and argmax. With the hard teacher the student's output head and cross-entropy are
+fused and chunked (``training/head_loss.py``), so no [slots, vocabulary] logits are kept.
+Full fine-tuning runs the whole packed sequence through the student and a frozen teacher copy.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from agent_mtp.training.packing import (
     slot_weights,
 )
 from agent_mtp.training.precision import ExactTargetHead
+from agent_mtp.training.real_cache import RealPassStore
 
 
 @dataclass(frozen=True)
@@ -79,33 +82,31 @@ class StepOutput:
 
 
 def distill_gated(
-    model: Any, adapter: MTPAdapter, seq: PackedSequence, cfg: ObjectiveConfig, *, mask_token_id: int
+    model: Any,
+    adapter: MTPAdapter,
+    seq: PackedSequence,
+    cfg: ObjectiveConfig,
+    *,
+    mask_token_id: int,
+    store: RealPassStore | None = None,
 ) -> StepOutput:
-    """Fast path for gated adapters (see module docstring). Gradient reaches only adapter parameters."""
+    """Fast path for gated adapters (see module docstring). Gradient reaches only adapter parameters. ``store``
+    (hard teacher only): read the real-token pass from a per-record cache instead of running it."""
     n_masks = seq.n_masks
     dev = _device(model)
     region, j = (t.to(dev) for t in slot_index(seq))
     region_anchors = anchors(seq).to(dev)  # [R]
     anchor = region_anchors[region]  # [M] the anchor of each slot's region
     data_index, in_doc = _data_index(seq, anchor, j)
-    keep = region_anchors
-    if cfg.reuse_real_pass:
-        keep = torch.cat([keep, data_index[in_doc]])
-    keep = keep.unique()  # sorted, each real row once
-    with torch.no_grad():
-        real = model(
-            input_ids=seq.ids[None].to(dev),
-            attention_mask=as_4d(_real_attention(seq)).to(dev),
-            position_ids=seq.positions[None].to(dev),
-            use_cache=True,
-            logits_to_keep=keep,
-        )
-    cache = real.cache
-    row_of = torch.full((seq.n_real,), -1, dtype=torch.long, device=dev)
-    row_of[keep] = torch.arange(keep.shape[0], device=dev)
-    real_logits = real.logits[0]  # [len(keep), V]
-    real_argmax = argmax_without_mask(real_logits, mask_token_id)  # the teacher's token after each kept real token
-    ntp = real_argmax[row_of[region_anchors]]  # [R]: y'_1 of every region
+    if store is not None:
+        if cfg.teacher != "hard":
+            raise TrainingError("the real-pass cache keeps no logits: use it with the hard teacher only.")
+        real = _RealPass(*store.real_pass(seq))
+    else:
+        keep = torch.cat([region_anchors, data_index[in_doc]]) if cfg.reuse_real_pass else region_anchors
+        real = _run_real_pass(model, seq, keep.unique(), mask_token_id, keep_logits=cfg.teacher == "soft")
+    cache, real_argmax = real.cache, real.argmax
+    ntp = real_argmax[region_anchors]  # [R]: y'_1 of every region
     masks = torch.full((1, n_masks), mask_token_id, dtype=torch.long, device=dev)
     rows = as_4d(mask_attention_rows(seq)).to(dev)  # [1, 1, M, L + M]
     pos = mask_positions(seq)[None].to(dev)  # [1, M]
@@ -118,12 +119,12 @@ def distill_gated(
         follows = _follows_data(seq, block, region, j, data_index, in_doc)
     else:
         follows = torch.zeros_like(block, dtype=torch.bool)
-    from_real = row_of[data_index[follows]]
     target = torch.empty_like(block)  # the teacher's argmax per slot
-    target[follows] = real_argmax[from_real]
-    soft = real_logits.new_empty((n_masks, real_logits.shape[-1])) if cfg.teacher == "soft" else None  # soft only
-    if soft is not None:
-        soft[follows] = real_logits[from_real]
+    target[follows] = real_argmax[data_index[follows]]
+    soft = None  # soft teacher only: the teacher's logits per slot
+    if real.logits is not None and real.row_of is not None:
+        soft = real.logits.new_empty((n_masks, real.logits.shape[-1]))
+        soft[follows] = real.logits[real.row_of[data_index[follows]]]
     rest = (~follows).nonzero().squeeze(1)
     if rest.numel():
         slots = _Slots(block, anchor, region, j, pos[0])
@@ -139,6 +140,40 @@ def distill_gated(
         out = _weighted_loss(per_slot, student.drafts == target, seq, cfg)
     out.teacher_slots = int(rest.numel())
     return out
+
+
+@dataclass(frozen=True)
+class _RealPass:
+    """The real tokens' pass: their KV cache and the teacher's argmax after each real token (-1 where not computed);
+    the soft teacher also keeps the logits of the computed rows (``row_of``: real index -> logits row, -1 if none)."""
+
+    cache: Any
+    argmax: torch.Tensor
+    logits: torch.Tensor | None = None
+    row_of: torch.Tensor | None = None
+
+
+def _run_real_pass(
+    model: Any, seq: PackedSequence, keep: torch.Tensor, mask_token_id: int, *, keep_logits: bool
+) -> _RealPass:
+    """Run the real tokens (no gradient) with logits only at the sorted real indices ``keep``."""
+    dev = keep.device
+    with torch.no_grad():
+        out = model(
+            input_ids=seq.ids[None].to(dev),
+            attention_mask=as_4d(_real_attention(seq)).to(dev),
+            position_ids=seq.positions[None].to(dev),
+            use_cache=True,
+            logits_to_keep=keep,
+        )
+    logits = out.logits[0]  # [len(keep), V]
+    argmax = torch.full((seq.n_real,), -1, dtype=torch.long, device=dev)
+    argmax[keep] = argmax_without_mask(logits, mask_token_id)
+    if not keep_logits:
+        return _RealPass(out.cache, argmax)
+    row_of = torch.full((seq.n_real,), -1, dtype=torch.long, device=dev)
+    row_of[keep] = torch.arange(keep.shape[0], device=dev)
+    return _RealPass(out.cache, argmax, logits, row_of)
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,11 @@ class PackedSequence:
     doc_ids: torch.Tensor  # [L] document index of each real token
     positions: torch.Tensor  # [L] position ids of the real tokens (restart at 0 per document)
     regions: tuple[Region, ...]
+    sources: tuple[tuple[int, ...], ...] = ()
+    """Per document, the whole record it was cut from (the document is a prefix of it); empty when unknown. Lets the
+    real-token pass be read from a per-record cache (``training/real_cache.py``)."""
+    lengths: tuple[int, ...] = ()
+    """Tokens of each document in this sequence."""
 
     @property
     def n_real(self) -> int:
@@ -44,15 +49,26 @@ class PackedSequence:
         return sum(r.n_masks for r in self.regions)
 
 
-def pack_documents(docs: Sequence[Sequence[int]], regions: Sequence[Region]) -> PackedSequence:
-    """Concatenate ``docs``; ``regions`` index into the concatenation (validated: anchors inside, >= 1 mask)."""
+def pack_documents(
+    docs: Sequence[Sequence[int]], regions: Sequence[Region], *, sources: Sequence[Sequence[int]] | None = None
+) -> PackedSequence:
+    """Concatenate ``docs``; ``regions`` index into the concatenation (validated: anchors inside, >= 1 mask).
+    ``sources``: the whole record each document was cut from (each document must be a prefix of its source)."""
     ids = torch.tensor([t for d in docs for t in d], dtype=torch.long)
     doc_ids = torch.cat([torch.full((len(d),), i, dtype=torch.long) for i, d in enumerate(docs)])
     positions = torch.cat([torch.arange(len(d), dtype=torch.long) for d in docs])
     for r in regions:
         if not 0 <= r.anchor < len(ids) or r.n_masks < 1:
             raise ValueError(f"bad region {r}: anchor must be in [0, {len(ids)}) and n_masks >= 1")
-    return PackedSequence(ids, doc_ids, positions, tuple(regions))
+    full: tuple[tuple[int, ...], ...] = ()
+    if sources is not None:
+        full = tuple(tuple(s) for s in sources)
+        if len(full) != len(docs):
+            raise ValueError(f"sources: {len(full)} given for {len(docs)} documents; give one per document")
+        bad = [i for i, (d, s) in enumerate(zip(docs, full, strict=True)) if tuple(d) != s[: len(d)]]
+        if bad:
+            raise ValueError(f"sources: document {bad[0]} is not a prefix of its source record")
+    return PackedSequence(ids, doc_ids, positions, tuple(regions), full, tuple(len(d) for d in docs))
 
 
 def slot_index(seq: PackedSequence) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,6 +20,7 @@ from agent_mtp.training.attention import use_slot_attention
 from agent_mtp.training.data import Record
 from agent_mtp.training.objective import ObjectiveConfig, distill_gated
 from agent_mtp.training.precision import low_precision_twin
+from agent_mtp.training.real_cache import RealPassStore
 from agent_mtp.training.trainer import TrainConfig, sample_sequence
 
 
@@ -35,6 +36,9 @@ class SpeedVariant:
     """"bf16": the step runs on the bf16 twin (``training/precision.py``)."""
     train_layers: tuple[int, ...] | None = None
     """LoRA layers with gradient (None: all); the backward pass stops at the lowest one."""
+    real_cache: bool = False
+    """Read the real-token pass from a per-record store (``training/real_cache.py``). Measured in the steady state:
+    the step's records are put in the store before the step is timed (as they are from a record's second draw on)."""
 
 
 @dataclass(frozen=True)
@@ -48,9 +52,9 @@ class SpeedResult:
 
 
 def parse_variant(text: str) -> SpeedVariant:
-    """``name:key=value,...`` with keys regions, seq_len, k_max, bf16, reuse, embedding (0/1 for the booleans),
-    dtype (fp32 | bf16: the base weights), attn (band | dense: slot attention) and train_layers (e.g. 16-29: the LoRA
-    layers with gradient)."""
+    """``name:key=value,...`` with keys regions, seq_len, k_max, bf16, reuse, embedding, cache (0/1 for the booleans;
+    cache: real-token pass from the per-record store), dtype (fp32 | bf16: the base weights), attn (band | dense: slot
+    attention) and train_layers (e.g. 16-29: the LoRA layers with gradient)."""
     name, _, spec = text.partition(":")
     fields: dict[str, str] = {}
     for part in filter(None, spec.split(",")):
@@ -58,7 +62,7 @@ def parse_variant(text: str) -> SpeedVariant:
         if not sep:
             raise TrainingError(f"variant {text!r}: {part!r} is not key=value (e.g. 'fast:regions=256,bf16=1').")
         fields[key.strip()] = value.strip()
-    known = {"regions", "seq_len", "k_max", "bf16", "reuse", "embedding", "dtype", "attn", "train_layers"}
+    known = {"regions", "seq_len", "k_max", "bf16", "reuse", "embedding", "dtype", "attn", "train_layers", "cache"}
     if fields.get("attn", "band") not in ("band", "dense"):
         raise TrainingError(f"variant {text!r}: attn={fields['attn']!r}; use band or dense.")
     if fields.get("dtype", "fp32") not in ("fp32", "bf16"):
@@ -81,6 +85,7 @@ def parse_variant(text: str) -> SpeedVariant:
             train_embedding=fields.get("embedding", "1") == "1",
             model_dtype=fields.get("dtype", "fp32"),
             train_layers=_layer_range(fields["train_layers"]) if "train_layers" in fields else None,
+            real_cache=fields.get("cache", "0") == "1",
         )
     except ValueError as e:
         raise TrainingError(f"variant {text!r}: {e}") from e
@@ -107,6 +112,10 @@ def measure_speed(
         runners["bf16"] = low_precision_twin(model, adapter, mask_token_id=mask_token_id)
     for step_model, _ in runners.values():
         use_slot_attention(step_model)  # dense SDPA unless a variant's objective asks for banded slot attention
+    stores = {
+        dtype: RealPassStore(step_model, mask_token_id, adapter=step_adapter)
+        for dtype, (step_model, step_adapter) in runners.items()
+    }
     seconds: dict[str, list[float]] = {v.name: [] for v in variants}
     slots: dict[str, list[int]] = {v.name: [] for v in variants}
     teacher: dict[str, list[int]] = {v.name: [] for v in variants}
@@ -117,8 +126,11 @@ def measure_speed(
             adapter.mask_embedding.requires_grad_(v.train_embedding)
             adapter.set_trainable_layers(v.train_layers)
             step_model, step_adapter = runners[v.model_dtype]
+            store = stores[v.model_dtype] if v.real_cache else None
+            if store is not None:
+                store.real_pass(seq)  # untimed: the steady state, where the step's records are already stored
             t0 = time.perf_counter()
-            out = distill_gated(step_model, step_adapter, seq, v.objective, mask_token_id=mask_token_id)
+            out = distill_gated(step_model, step_adapter, seq, v.objective, mask_token_id=mask_token_id, store=store)
             out.loss.backward()
             elapsed = time.perf_counter() - t0
             for p in adapter.trainable_parameters():

@@ -32,6 +32,7 @@ from agent_mtp.training.evaluate import EvalPrompt, eval_prompts, evaluate
 from agent_mtp.training.objective import ObjectiveConfig, StepOutput, distill_full, distill_gated
 from agent_mtp.training.packing import PackedSequence, Region, pack_documents
 from agent_mtp.training.precision import low_precision_twin
+from agent_mtp.training.real_cache import RealPassStore
 
 STATE_FILE = "trainer_state.pt"
 
@@ -65,6 +66,11 @@ class TrainConfig:
     train_layers: tuple[int, ...] | None = None
     """LoRA layers the optimizer updates (None: all of the adapter's). The others keep their values (e.g. from
     ``--resume``); with the mask embedding frozen, the backward pass stops at the lowest trained layer."""
+    real_pass_cache: bool = True
+    """Gated LoRA + hard teacher: compute each record's real-token pass once and read it back on later draws
+    (``training/real_cache.py``; the same targets and gradients)."""
+    real_pass_memory_gb: float = 4.0
+    """In-memory budget of that cache (entries beyond it are read back from its directory, or recomputed)."""
     eval_every: int = 100
     eval_prompts: int = 8
     eval_max_new_tokens: int = 48
@@ -88,6 +94,8 @@ class TrainConfig:
         if self.train_layers is not None and self.layers is not None and not set(self.train_layers) <= set(self.layers):
             extra = sorted(set(self.train_layers) - set(self.layers))
             raise TrainingError(f"train_layers has layers {extra} without LoRA; pick them from --layers {self.layers}.")
+        if self.real_pass_memory_gb < 0:
+            raise TrainingError(f"real_pass_memory_gb={self.real_pass_memory_gb}: give 0 or more GB.")
         if self.rank < 1 or self.steps < 1 or self.lr <= 0 or self.regions < 1:
             raise TrainingError(
                 f"rank={self.rank}, steps={self.steps}, lr={self.lr}, regions={self.regions}: all must be positive."
@@ -112,6 +120,7 @@ def sample_sequence(records: Sequence[Record], step: int, cfg: TrainConfig) -> P
     agent = [r for r in usable if r.source == "agent"]
     other = [r for r in usable if r.source != "agent"]
     docs: list[list[int]] = []
+    sources: list[list[int]] = []
     spans: list[tuple[int, int]] = []  # eligible anchors per document, in packed indices
     total = 0
     while total < cfg.seq_len and len(docs) < 64:
@@ -120,13 +129,14 @@ def sample_sequence(records: Sequence[Record], step: int, cfg: TrainConfig) -> P
         ids = rec.ids[: max(cfg.seq_len - total, len(rec.prompt_ids) + 2)]
         spans.append((total + len(rec.prompt_ids) - 1, total + len(ids) - 2))
         docs.append(ids)
+        sources.append(rec.ids)
         total += len(ids)
     eligible = [a for lo, hi in spans for a in range(lo, hi + 1)]
     chosen = sorted(rng.sample(eligible, min(cfg.regions, len(eligible))))
     k_max = cfg.objective.k_max
     random_k = cfg.objective.k_sampling == "random"
     regions = [Region(a, rng.randint(1, k_max - 1) if random_k else k_max - 1) for a in chosen]
-    return pack_documents(docs, regions)
+    return pack_documents(docs, regions, sources=sources)
 
 
 # -- the trainer ----------------------------------------------------------------------------------------------------
@@ -147,7 +157,9 @@ class Trainer:
         out_dir: str | Path,
         progress: bool = True,
         extra_eval: Sequence[EvalPrompt] = (),
+        real_pass_dir: str | Path | None = None,
     ) -> None:
+        """``real_pass_dir``: where the real-pass cache keeps its entries across runs (None: memory only)."""
         config.validate()
         if not train:
             raise TrainingError("No training records (the data holds only held-out prompts?). Build more data.")
@@ -165,6 +177,8 @@ class Trainer:
         self.step_model: Any = model
         """The model that runs training steps: ``model`` itself, or its bf16 twin (``model_dtype="bf16"``)."""
         self.step_adapter: MTPAdapter | None = None
+        self.store: RealPassStore | None = None
+        """Per-record real-token passes (gated LoRA with the hard teacher and ``real_pass_cache``)."""
         if config.adapter == "gated-lora":
             self.adapter = new_adapter(
                 model,
@@ -184,6 +198,14 @@ class Trainer:
                     model, self.adapter, mask_token_id=mask_token_id
                 )
             use_slot_attention(self.step_model)  # plain SDPA outside the objective's slot passes
+            if config.real_pass_cache and config.objective.teacher == "hard":
+                self.store = RealPassStore(
+                    self.step_model,
+                    mask_token_id,
+                    adapter=self.step_adapter,
+                    directory=Path(real_pass_dir) if real_pass_dir is not None else None,
+                    memory_bytes=int(config.real_pass_memory_gb * 2**30),
+                )
         else:
             self.teacher = copy.deepcopy(model).eval().requires_grad_(False)
             model.requires_grad_(True)
@@ -215,7 +237,12 @@ class Trainer:
             group["lr"] = self.lr_at(step)
         if self.step_adapter is not None:
             out = distill_gated(
-                self.step_model, self.step_adapter, seq, self.cfg.objective, mask_token_id=self.mask_token_id
+                self.step_model,
+                self.step_adapter,
+                seq,
+                self.cfg.objective,
+                mask_token_id=self.mask_token_id,
+                store=self.store,
             )
         else:
             out = distill_full(self.model, self.teacher, seq, self.cfg.objective, mask_token_id=self.mask_token_id)
@@ -289,6 +316,8 @@ class Trainer:
             "agree_per_slot": [round(float(a), 4) for a in agree / counts.clamp(min=1)],
             "slots_total": self.state.slots,
         }
+        if self.store is not None:
+            row["real_pass_cache"] = self.store.stats.as_dict()
         self._log(row)
         if hasattr(bar, "set_postfix"):
             bar.set_postfix(loss=row["loss"], slots_s=row["slots_per_s"], agree1=row["agree_per_slot"][0])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -190,3 +191,34 @@ def test_full_fine_tune_trainer_steps_and_exports(tmp_path: Path) -> None:
         assert torch.equal(v, teacher_before[k]), k  # the frozen copy never moves
     out = trainer.save_checkpoint()
     assert (out / "config.json").is_file() and (out / "trainer_state.pt").is_file()
+
+
+def test_real_pass_cache_trains_the_same_adapter_and_reports_its_reuse(tmp_path: Path) -> None:
+    records = own_outputs(tiny_model(seed=14), 8)
+    plain = make_trainer(tiny_model(seed=14), records, tmp_path / "plain", real_pass_cache=False, log_every=3)
+    cached = Trainer(
+        tiny_model(seed=14),
+        tiny_tokenizer(),
+        model_id="tiny",
+        mask_token="t63",
+        mask_token_id=MASK,
+        config=replace(plain.cfg, real_pass_cache=True),
+        train=plain.train_records,
+        heldout=[],
+        out_dir=tmp_path / "cached",
+        progress=False,
+        real_pass_dir=tmp_path / "store",
+    )
+    assert plain.store is None and cached.store is not None
+    for _ in range(6):
+        plain.train_step()
+        cached.train_step()
+    assert plain.adapter is not None and cached.adapter is not None
+    for name, tensor in plain.adapter.state_tensors().items():
+        assert torch.allclose(tensor, cached.adapter.state_tensors()[name], atol=1e-5), name
+    stats = cached.store.stats.as_dict()
+    assert stats["computed"] == len(plain.train_records) and stats["reused"] > 0.5  # 5 records drawn many times
+    assert len(list((tmp_path / "store").rglob("*.pt"))) == len(plain.train_records)
+    cached._log_window([cached.train_step()], 1.0, None)
+    row = (tmp_path / "cached" / "log.jsonl").read_text().splitlines()[-1]
+    assert '"real_pass_cache"' in row
