@@ -63,19 +63,21 @@ def distill_command(
         ),
     ] = "all",
     real_pass_cache: Annotated[
-        bool,
+        str,
         typer.Option(
-            "--real-pass-cache/--no-real-pass-cache",
-            help="Compute each record's real-token pass once and read it back on later draws (gated-lora, hard).",
+            "--real-pass-cache",
+            help="auto | on | off: compute each record's real-token pass once and read it back on later draws "
+            "(gated-lora, hard teacher; auto: on for CPU, off for CUDA, where the pass costs less than the copy).",
         ),
-    ] = True,
+    ] = "auto",
     real_pass_dir: Annotated[
         Path | None,
-        typer.Option("--real-pass-dir", help="Where that cache persists (default: DATA_DIR/real-pass-cache)."),
+        typer.Option("--real-pass-dir", help="Keep that cache on disk here too, for later and resumed runs."),
     ] = None,
     real_pass_memory_gb: Annotated[
-        float, typer.Option("--real-pass-memory-gb", help="In-memory budget of the real-pass cache.")
-    ] = 4.0,
+        float | None,
+        typer.Option("--real-pass-memory-gb", help="In-memory budget of the real-pass cache (default: 1/4 of RAM)."),
+    ] = None,
     bf16: Annotated[bool, typer.Option("--bf16/--fp32", help="bf16 autocast for the student pass.")] = False,
     model_dtype: Annotated[
         str, typer.Option("--model-dtype", help="fp32 | bf16: base weights of the training steps (bf16 twin).")
@@ -148,6 +150,7 @@ def _distill(**o: Any) -> None:
         ("teacher", ("hard", "soft")),
         ("slots", ("all", "prefix")),
         ("model_dtype", ("fp32", "bf16")),
+        ("real_pass_cache", ("auto", "on", "off")),
     ):
         if o[name] not in allowed:
             raise TrainingError(f"--{name.replace('_', '-')} {o[name]!r}: use one of {', '.join(allowed)}.")
@@ -204,8 +207,8 @@ def _distill(**o: Any) -> None:
         agent_fraction=float(o["agent_fraction"]),
         freeze_embedding_after=o["freeze_embedding_after"],
         train_layers=parse_layers(str(o["train_layers"]), "--train-layers"),
-        real_pass_cache=bool(o["real_pass_cache"]),
-        real_pass_memory_gb=float(o["real_pass_memory_gb"]),
+        real_pass_cache=o["real_pass_cache"] == "on" or (o["real_pass_cache"] == "auto" and device == "cpu"),
+        real_pass_memory_gb=o["real_pass_memory_gb"],
         eval_every=int(o["eval_every"]),
         eval_prompts=int(o["eval_prompts"]),
         eval_max_new_tokens=int(o["eval_max_new_tokens"]),
@@ -225,7 +228,7 @@ def _distill(**o: Any) -> None:
         out_dir=o["out"],
         progress=not o["no_progress"],
         extra_eval=unseen_tool_prompts(lm.tokenizer, 2) if int(o["eval_prompts"]) > 0 else (),
-        real_pass_dir=o["real_pass_dir"] if o["real_pass_dir"] is not None else data_dir / "real-pass-cache",
+        real_pass_dir=o["real_pass_dir"],
     )
     if o["resume"] is not None:
         trainer.resume(o["resume"])

@@ -86,7 +86,7 @@ class RealPassStore:
     mask_token_id: int
     adapter: MTPAdapter | None = field(default=None, repr=False)
     directory: Path | None = None
-    memory_bytes: int = 4 * 2**30
+    memory_bytes: int = field(default_factory=lambda: default_memory_budget())
     stats: StoreStats = field(default_factory=StoreStats)
     _memory: OrderedDict[str, RecordPass] = field(default_factory=OrderedDict, repr=False)
 
@@ -202,6 +202,15 @@ class RealPassStore:
             torch.stack([layer.values[0] for layer in layers]).cpu(),
             argmax_without_mask(out.logits[0], self.mask_token_id).cpu(),
         )
+
+
+def default_memory_budget() -> int:
+    """A quarter of the machine's physical memory, at most 8 GiB (2 GiB where the size cannot be read)."""
+    try:
+        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 2 * 2**30
+    return min(8 * 2**30, physical // 4)
 
 
 def _dynamic_cache(keys: torch.Tensor, values: torch.Tensor) -> Any:

@@ -32,7 +32,7 @@ from agent_mtp.training.evaluate import EvalPrompt, eval_prompts, evaluate
 from agent_mtp.training.objective import ObjectiveConfig, StepOutput, distill_full, distill_gated
 from agent_mtp.training.packing import PackedSequence, Region, pack_documents
 from agent_mtp.training.precision import low_precision_twin
-from agent_mtp.training.real_cache import RealPassStore
+from agent_mtp.training.real_cache import RealPassStore, default_memory_budget
 
 STATE_FILE = "trainer_state.pt"
 
@@ -69,8 +69,9 @@ class TrainConfig:
     real_pass_cache: bool = True
     """Gated LoRA + hard teacher: compute each record's real-token pass once and read it back on later draws
     (``training/real_cache.py``; the same targets and gradients)."""
-    real_pass_memory_gb: float = 4.0
-    """In-memory budget of that cache (entries beyond it are read back from its directory, or recomputed)."""
+    real_pass_memory_gb: float | None = None
+    """In-memory budget of that cache (None: a quarter of the machine's memory, at most 8 GB); entries beyond it are
+    read back from its directory, or recomputed."""
     eval_every: int = 100
     eval_prompts: int = 8
     eval_max_new_tokens: int = 48
@@ -94,7 +95,7 @@ class TrainConfig:
         if self.train_layers is not None and self.layers is not None and not set(self.train_layers) <= set(self.layers):
             extra = sorted(set(self.train_layers) - set(self.layers))
             raise TrainingError(f"train_layers has layers {extra} without LoRA; pick them from --layers {self.layers}.")
-        if self.real_pass_memory_gb < 0:
+        if self.real_pass_memory_gb is not None and self.real_pass_memory_gb < 0:
             raise TrainingError(f"real_pass_memory_gb={self.real_pass_memory_gb}: give 0 or more GB.")
         if self.rank < 1 or self.steps < 1 or self.lr <= 0 or self.regions < 1:
             raise TrainingError(
@@ -204,7 +205,11 @@ class Trainer:
                     mask_token_id,
                     adapter=self.step_adapter,
                     directory=Path(real_pass_dir) if real_pass_dir is not None else None,
-                    memory_bytes=int(config.real_pass_memory_gb * 2**30),
+                    memory_bytes=(
+                        default_memory_budget()
+                        if config.real_pass_memory_gb is None
+                        else int(config.real_pass_memory_gb * 2**30)
+                    ),
                 )
         else:
             self.teacher = copy.deepcopy(model).eval().requires_grad_(False)

@@ -35,12 +35,16 @@ def _write_data(directory: Path, engine: MTPEngine) -> None:
 
 def test_distill_speed_measures_each_variant(tmp_path: Path, default_engine: MTPEngine) -> None:
     _write_data(tmp_path, default_engine)
-    variants = ["plain:regions=12,seq_len=96,bf16=0,reuse=0,attn=dense", "fast:regions=12,seq_len=96,dtype=bf16"]
+    variants = [
+        "plain:regions=12,seq_len=96,bf16=0,reuse=0,attn=dense",
+        "fast:regions=12,seq_len=96,dtype=bf16",
+        "cached:regions=12,seq_len=96,dtype=bf16,cache=1",
+    ]
     args = ["distill-speed", "--data-dir", str(tmp_path), "--rounds", "1", "--threads", "2", "--json"]
     result = CliRunner().invoke(app, args + [a for v in variants for a in ("--variant", v)])
     assert result.exit_code == 0, result.output
     rows = json.loads(result.stdout[result.stdout.index("[") :])
-    assert [r["name"] for r in rows] == ["plain", "fast"]
+    assert [r["name"] for r in rows] == ["plain", "fast", "cached"]
     for r in rows:
         assert r["slots_per_step"] == 12 * 3  # 12 regions x (k_max 4 - 1) masks
         assert r["slots_per_s"] > 0

@@ -88,6 +88,8 @@ def test_cli_rejects_bad_input_before_loading_a_model(tmp_path: Path) -> None:
     assert result.exit_code == 2 and "No training data" in result.output
     result = runner.invoke(app, ["distill", "--data-only", "--data-dir", str(tmp_path)])
     assert result.exit_code == 2 and "--build-data" in result.output
+    result = runner.invoke(app, ["distill", "--real-pass-cache", "yes", "--data-dir", str(tmp_path)])
+    assert result.exit_code == 2 and "--real-pass-cache 'yes'" in result.output
 
 
 def test_speed_variants_parse_and_reject_bad_keys() -> None:
@@ -96,6 +98,7 @@ def test_speed_variants_parse_and_reject_bad_keys() -> None:
 
     v = parse_variant("fast:regions=128,k_max=8,dtype=bf16,reuse=0,attn=dense,embedding=0")
     assert (v.name, v.regions, v.objective.k_max, v.model_dtype) == ("fast", 128, 8, "bf16")
+    assert not v.real_cache and parse_variant("c:cache=1").real_cache
     assert not v.objective.reuse_real_pass and not v.objective.banded_attention and not v.train_embedding
     for bad in ("fast:regionz=1", "fast:dtype=fp16", "fast:attn=sparse", ":regions=1", "fast:regions"):
         with pytest.raises(TrainingError):
