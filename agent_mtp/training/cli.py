@@ -241,10 +241,13 @@ DEFAULT_SPEED_VARIANTS = (
     "first-recipe:regions=160,k_max=4,bf16=1,reuse=0,attn=dense",
     "fast-k8:regions=256,k_max=8,dtype=bf16,embedding=0",
     "fast-k4:regions=256,k_max=4,dtype=bf16,embedding=0",
-    "fast-k4-upper:regions=256,k_max=4,dtype=bf16,embedding=0,train_layers=16-29",
     "cached-k8:regions=256,k_max=8,dtype=bf16,embedding=0,cache=1",
-    "cached-k4-upper:regions=256,k_max=4,dtype=bf16,embedding=0,train_layers=16-29,cache=1",
+    "cached-k4:regions=256,k_max=4,dtype=bf16,embedding=0,cache=1",
+    "cached-k4-768:regions=512,seq_len=768,k_max=4,dtype=bf16,embedding=0,cache=1",
+    "cached-k4-768-upper:regions=512,seq_len=768,k_max=4,dtype=bf16,embedding=0,cache=1,train_layers=16-29",
 )
+"""The prototype's recipe, the first shipped recipe, the fast path of phases 2-4 (k_max 8 and 4), the same with the
+real-pass cache, and phase 5's recipe (768 real tokens, up to 512 regions per step) with all or the upper layers."""
 
 
 def distill_speed_command(

@@ -15,8 +15,8 @@ the matching real token, so the teacher pass only runs the slots after a region'
 (exactly the same targets; the share of skipped slots grows as the student learns). Since that pass depends only on
 the base model and the record, a ``RealPassStore`` (``training/real_cache.py``) can compute it once per record and
 hand every later step its KV cache and argmax. With the hard teacher the student's output head and cross-entropy are
-fused and chunked (``training/head_loss.py``), so no [slots, vocabulary] logits are kept.
-Full fine-tuning runs the whole packed sequence through the student and a frozen teacher copy.
+fused and chunked (``training/head_loss.py``), so no [slots, vocabulary] logits are kept. Full fine-tuning runs the
+whole packed sequence through the student and a frozen teacher copy.
 """
 
 from __future__ import annotations

@@ -21,13 +21,15 @@ def test_measure_speed_reports_every_variant_with_its_slots_and_teacher_share() 
         parse_variant("reference:regions=8,seq_len=32,k_max=4,bf16=0,reuse=0,attn=dense"),
         parse_variant("fast:regions=8,seq_len=32,k_max=4,dtype=bf16,embedding=0"),
         parse_variant("upper:regions=8,seq_len=32,k_max=4,dtype=bf16,embedding=0,train_layers=1-1"),
+        parse_variant("cached:regions=8,seq_len=32,k_max=4,dtype=bf16,embedding=0,cache=1"),
     ]
     results = measure_speed(model, adapter, _records(), variants, rounds=2, warmup=0, mask_token_id=MASK)
-    assert [r.name for r in results] == ["reference", "fast", "upper"]
+    assert [r.name for r in results] == ["reference", "fast", "upper", "cached"]
     for r in results:
         assert r.slots_per_step == 8 * 3 and r.slots_per_s > 0 and r.seconds_per_step > 0
     assert results[0].teacher_share == 1.0  # no reuse: the teacher runs every slot
     assert 0.0 <= results[1].teacher_share <= 1.0
+    assert results[3].teacher_share == results[1].teacher_share  # the cache changes no target
     assert adapter.mask_embedding.requires_grad  # restored after the frozen-embedding variant
     assert all(p.grad is None for p in adapter.trainable_parameters())
     assert all(p.requires_grad for p in adapter.trainable_parameters())  # restored after the upper-layer variant
