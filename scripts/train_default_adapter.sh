@@ -16,6 +16,8 @@ LR=${LR:-5e-4}
 EVAL_EVERY=${EVAL_EVERY:-400}
 TRAIN_LAYERS=${TRAIN_LAYERS:-all}
 SEQ_LEN=${SEQ_LEN:-768}
+# each record's real-token pass (~3.5 MB: KV of 30 layers in bf16 + teacher argmax), kept on disk for later phases
+REAL_PASS_DIR=${REAL_PASS_DIR:-$DATA/real-pass-cache}
 REGIONS=${REGIONS:-512}
 RESUME_ARGS=()
 if [[ -n "${RESUME:-}" ]]; then RESUME_ARGS=(--resume "$RESUME"); fi
@@ -29,9 +31,10 @@ fi
 # 2. self-distillation: gated LoRA rank 8 on layers 8-29 (+ the mask embedding until step 394), k_max 4; the fast
 #    trainer path: bf16 twin of the base weights with an fp32 head for the targets, banded slot attention, teacher
 #    targets reused from the real-token pass, each record's real-token pass computed once and read back on later draws
-#    (--real-pass-cache auto), fused head cross-entropy (all defaults); 768 real tokens and up to 512 regions per step.
+#    (--real-pass-cache auto; on disk in $REAL_PASS_DIR for later phases), fused head cross-entropy (all defaults);
+#    768 real tokens and up to 512 regions per step.
 agent-mtp distill --data-dir "$DATA" --out "$OUT" --adapter gated-lora --rank 8 --layers 8-29 --k-max 4 \
   --model-dtype bf16 --regions "$REGIONS" --seq-len "$SEQ_LEN" --lr "$LR" --warmup 15 --steps "$STEPS" \
   --freeze-embedding-after 394 --train-layers "$TRAIN_LAYERS" --eval-every "$EVAL_EVERY" --eval-prompts 6 \
   --eval-max-new-tokens 40 --checkpoint-minutes 5 --max-minutes "$MINUTES" --threads "$THREADS" --no-progress \
-  "${RESUME_ARGS[@]}"
+  --real-pass-dir "$REAL_PASS_DIR" "${RESUME_ARGS[@]}"

@@ -76,7 +76,10 @@ def distill_command(
     ] = None,
     real_pass_memory_gb: Annotated[
         float | None,
-        typer.Option("--real-pass-memory-gb", help="In-memory budget of the real-pass cache (default: 1/4 of RAM)."),
+        typer.Option(
+            "--real-pass-memory-gb",
+            help="In-memory budget of the real-pass cache (default: a quarter of RAM, at most 8).",
+        ),
     ] = None,
     bf16: Annotated[bool, typer.Option("--bf16/--fp32", help="bf16 autocast for the student pass.")] = False,
     model_dtype: Annotated[
@@ -154,6 +157,11 @@ def _distill(**o: Any) -> None:
     ):
         if o[name] not in allowed:
             raise TrainingError(f"--{name.replace('_', '-')} {o[name]!r}: use one of {', '.join(allowed)}.")
+    if o["real_pass_cache"] == "on" and (o["adapter"] != "gated-lora" or o["teacher"] != "hard"):
+        raise TrainingError(
+            "--real-pass-cache on needs --adapter gated-lora and --teacher hard (a full fine-tune changes the real "
+            "tokens' pass, and the soft teacher needs logits the cache does not keep); use auto or off."
+        )
     device = str(o["device"])
     if device == "cuda" and not torch.cuda.is_available():
         raise TrainingError("--device cuda: no CUDA device is visible; use --device cpu.")

@@ -90,6 +90,10 @@ def test_cli_rejects_bad_input_before_loading_a_model(tmp_path: Path) -> None:
     assert result.exit_code == 2 and "--build-data" in result.output
     result = runner.invoke(app, ["distill", "--real-pass-cache", "yes", "--data-dir", str(tmp_path)])
     assert result.exit_code == 2 and "--real-pass-cache 'yes'" in result.output
+    result = runner.invoke(
+        app, ["distill", "--real-pass-cache", "on", "--teacher", "soft", "--data-dir", str(tmp_path)]
+    )
+    assert result.exit_code == 2 and "--teacher hard" in result.output
 
 
 def test_speed_variants_parse_and_reject_bad_keys() -> None:
