@@ -67,7 +67,7 @@ def distill_command(
         typer.Option(
             "--real-pass-cache",
             help="auto | on | off: compute each record's real-token pass once and read it back on later draws "
-            "(gated-lora, hard teacher; auto: on for CPU, off for CUDA, where the pass costs less than the copy).",
+            "(gated-lora, hard teacher; auto: on for CPU, off for CUDA, where that pass is cheap).",
         ),
     ] = "auto",
     real_pass_dir: Annotated[
