@@ -59,7 +59,9 @@ class StoreStats:
     """Documents whose record had to be run."""
     computed_tokens: int = 0
     memory_bytes: int = 0
+    """Bytes of the entries held in memory now."""
     disk_bytes: int = 0
+    """Bytes this store has written to its directory."""
     evicted: int = 0
 
     def as_dict(self) -> dict[str, Any]:
@@ -69,7 +71,7 @@ class StoreStats:
             "reused": round((self.hits + self.disk_reads) / max(1, drawn), 4),
             "computed": self.computed,
             "memory_gb": round(self.memory_bytes / 2**30, 3),
-            "disk_gb": round(self.disk_bytes / 2**30, 3),
+            "disk_written_gb": round(self.disk_bytes / 2**30, 3),
         }
 
 
