@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
+from agent_mtp.engine.adapter import MTPAdapter
 from agent_mtp.errors import TrainingError
-from agent_mtp.training.objective import ObjectiveConfig, distill_gated
+from agent_mtp.training.objective import ObjectiveConfig, StepOutput, distill_gated
 from agent_mtp.training.packing import PackedSequence, Region, pack_documents
 from agent_mtp.training.precision import low_precision_twin
 from agent_mtp.training.real_cache import RealPassStore
@@ -30,10 +32,17 @@ def packed(order: tuple[int, ...] = (0, 1, 2), cut_last: int = 0) -> PackedSeque
     return pack_documents(docs, regions, sources=sources)
 
 
-def step(model, adapter, seq, store=None, **cfg):  # type: ignore[no-untyped-def]
+def step(
+    model: torch.nn.Module,
+    adapter: MTPAdapter,
+    seq: PackedSequence,
+    store: RealPassStore | None = None,
+    **cfg: Any,
+) -> tuple[StepOutput, list[torch.Tensor]]:
+    """One objective + backward; the loss output and the adapter's gradients (then cleared)."""
     out = distill_gated(model, adapter, seq, ObjectiveConfig(k_max=4, **cfg), mask_token_id=MASK, store=store)
     out.loss.backward()
-    grads = [p.grad.clone() for p in adapter.trainable_parameters()]
+    grads = [p.grad.clone() for p in adapter.trainable_parameters() if p.grad is not None]
     for p in adapter.trainable_parameters():
         p.grad = None
     return out, grads
@@ -46,6 +55,7 @@ def test_cached_step_equals_running_the_real_tokens(cut_last: int) -> None:
     store = RealPassStore(model, MASK, adapter=adapter)
     seq = packed((2, 0, 1), cut_last=cut_last)
     ref, ref_grads = step(model, adapter, seq)
+    assert len(ref_grads) == len(adapter.trainable_parameters())  # every adapter tensor got a gradient
     for _ in range(2):  # computed, then read back
         got, grads = step(model, adapter, seq, store)
         assert torch.allclose(got.loss, ref.loss, atol=1e-6)
