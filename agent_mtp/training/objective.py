@@ -45,7 +45,7 @@ from agent_mtp.training.packing import (
     slot_weights,
 )
 from agent_mtp.training.precision import ExactTargetHead
-from agent_mtp.training.real_cache import RealPassStore
+from agent_mtp.training.real_cache import RealPassStore, model_device
 
 
 @dataclass(frozen=True)
@@ -93,7 +93,7 @@ def distill_gated(
     """Fast path for gated adapters (see module docstring). Gradient reaches only adapter parameters. ``store``
     (hard teacher only): read the real-token pass from a per-record cache instead of running it."""
     n_masks = seq.n_masks
-    dev = _device(model)
+    dev = model_device(model)
     region, j = (t.to(dev) for t in slot_index(seq))
     region_anchors = anchors(seq).to(dev)  # [R]
     anchor = region_anchors[region]  # [M] the anchor of each slot's region
@@ -294,7 +294,7 @@ def distill_full(
     """Full fine-tune: the whole packed sequence through the student (with gradient) and a frozen teacher copy.
     The anchor's own prediction (token 1) is a slot too, since real tokens change under full fine-tuning."""
     n_real, n_masks = seq.n_real, seq.n_masks
-    dev = _device(student_model)
+    dev = model_device(student_model)
     region, j = (t.to(dev) for t in slot_index(seq))
     attn = as_4d(packed_attention(seq)).to(dev)
     pos = packed_positions(seq)[None].to(dev)
@@ -322,10 +322,6 @@ def distill_full(
     total_weight = float(slot_weights(seq, cfg.k_max, expected=cfg.k_sampling == "expected").sum())
     out.loss = (out.loss * total_weight + ntp_loss * n_regions) / (total_weight + n_regions)
     return out
-
-
-def _device(model: Any) -> torch.device:
-    return next(model.parameters()).device
 
 
 def _real_attention(seq: PackedSequence) -> torch.Tensor:

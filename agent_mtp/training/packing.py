@@ -37,8 +37,6 @@ class PackedSequence:
     sources: tuple[tuple[int, ...], ...] = ()
     """Per document, the whole record it was cut from (the document is a prefix of it); empty when unknown. Lets the
     real-token pass be read from a per-record cache (``training/real_cache.py``)."""
-    lengths: tuple[int, ...] = ()
-    """Tokens of each document in this sequence."""
 
     @property
     def n_real(self) -> int:
@@ -47,6 +45,11 @@ class PackedSequence:
     @property
     def n_masks(self) -> int:
         return sum(r.n_masks for r in self.regions)
+
+    @property
+    def lengths(self) -> list[int]:
+        """Tokens of each document in this sequence."""
+        return torch.bincount(self.doc_ids, minlength=len(self.sources)).tolist()
 
 
 def pack_documents(
@@ -68,7 +71,7 @@ def pack_documents(
         bad = [i for i, (d, s) in enumerate(zip(docs, full, strict=True)) if tuple(d) != s[: len(d)]]
         if bad:
             raise ValueError(f"sources: document {bad[0]} is not a prefix of its source record")
-    return PackedSequence(ids, doc_ids, positions, tuple(regions), full, tuple(len(d) for d in docs))
+    return PackedSequence(ids, doc_ids, positions, tuple(regions), full)
 
 
 def slot_index(seq: PackedSequence) -> tuple[torch.Tensor, torch.Tensor]:

@@ -57,7 +57,6 @@ class StoreStats:
     """Documents read from disk."""
     computed: int = 0
     """Documents whose record had to be run."""
-    computed_tokens: int = 0
     memory_bytes: int = 0
     """Bytes of the entries held in memory now."""
     disk_bytes: int = 0
@@ -113,7 +112,7 @@ class RealPassStore:
             raise TrainingError("real-pass cache: the packed sequence has no sources; pack it with sources=records.")
         keys = [_record_key(s) for s in seq.sources]
         entries = self._entries(keys, seq.sources)
-        device = _device(self.model)
+        device = model_device(self.model)
         parts = [(entries[k], n) for k, n in zip(keys, seq.lengths, strict=True)]
         layer_keys = torch.cat([e.keys[:, :, :n] for e, n in parts], dim=2).to(device)
         layer_values = torch.cat([e.values[:, :, :n] for e, n in parts], dim=2).to(device)
@@ -192,13 +191,12 @@ class RealPassStore:
         records that happened to be computed with it), so a resumed run reads back the very same bits."""
         from contextlib import nullcontext
 
-        ids = torch.tensor([list(tokens)], dtype=torch.long, device=_device(self.model))
+        ids = torch.tensor([list(tokens)], dtype=torch.long, device=model_device(self.model))
         base = self.adapter.disabled() if self.adapter is not None else nullcontext()
         with torch.no_grad(), base:
             out = self.model(input_ids=ids, use_cache=True)
         layers = out.cache.layers
         self.stats.computed += 1
-        self.stats.computed_tokens += ids.shape[1]
         return RecordPass(
             torch.stack([layer.keys[0] for layer in layers]).cpu(),  # [layers, kv_heads, n, head_dim]
             torch.stack([layer.values[0] for layer in layers]).cpu(),
@@ -242,5 +240,6 @@ def _model_key(model: Any) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def _device(model: Any) -> torch.device:
+def model_device(model: Any) -> torch.device:
+    """The device of ``model``'s (first) parameters."""
     return next(model.parameters()).device
