@@ -92,7 +92,7 @@ def tiny_engine(
     """An MTPEngine over a tiny random model (the tiny BPE tokenizer unless ``tokenizer`` is given); with
     ``adapter=True`` a random (non-identity) gated adapter, so mask predictions differ from NTP."""
     from agent_mtp.engine import MTPEngine, new_adapter
-    from agent_mtp.engine.loading import ensure_mask_token
+    from agent_mtp.engine.loading import LoadedModel, ensure_mask_token
 
     tok = tokenizer if tokenizer is not None else tiny_tokenizer()
     model = tiny_llama(len(tok), seed=seed, **model_kwargs)
@@ -105,4 +105,4 @@ def tiny_engine(
             for p in mtp.trainable_parameters():
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
         mtp.requires_grad_(False)
-    return MTPEngine(model, tok, model_id=model_id, mask_token=mask, mask_token_id=mask_id, adapter=mtp)
+    return MTPEngine(LoadedModel(model, tok, model_id, mask, mask_id, mask_token_added=True), adapter=mtp)

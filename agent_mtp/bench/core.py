@@ -237,7 +237,7 @@ def run_bench(
         for variant in variants:
             run_once(engine, variant, probe, grammar=grammar, baselines=baselines)
     if fresh_cost_curve and any(v.config is not None and v.config.mode != "ntp" for v in variants):
-        engine.set_cost_curve(engine._measure_cost_curve())  # the engine has no public "measure now" yet
+        engine.set_cost_curve(engine.measure_cost_curve())
     runs: list[Run] = []
     for rep in range(repeats):
         for i, prompt in enumerate(prompts):

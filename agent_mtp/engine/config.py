@@ -9,8 +9,14 @@ from typing import Literal, get_args
 from agent_mtp.errors import ConfigError
 
 Mode = Literal["ntp", "static", "confadapt", "verified"]
-DraftName = Literal["mtp", "ngram"]
+"""The decode modes (see :class:`DecodeConfig`); the one list that the policy schema and the chat model use."""
+LOSSLESS: dict[str, bool] = {"ntp": True, "static": False, "confadapt": False, "verified": True}
+"""Per mode: True when greedy output equals plain NTP output token for token."""
 MODES: tuple[str, ...] = get_args(Mode)
+LOSSY_MODES: frozenset[str] = frozenset(m for m in MODES if not LOSSLESS[m])
+"""Modes whose output may differ from NTP (the policy's breaker and NTP-agreement monitor watch only these)."""
+LOSSLESS_MODES: frozenset[str] = frozenset(m for m in MODES if LOSSLESS[m])
+DraftName = Literal["mtp", "ngram"]
 DRAFT_SOURCES: tuple[str, ...] = get_args(DraftName)
 K_MAX_LIMIT = 64
 
@@ -54,6 +60,9 @@ class DecodeConfig:
     """Tokens proposed by one prompt-lookup match."""
     stop_token_ids: tuple[int, ...] = field(default=())
     """Extra token ids that end generation (the tokenizer's EOS always does)."""
+    cost_aware: bool = True
+    """Verified mode: plan drafts and masks from the measured cost curve (False: verify the best-scoring draft
+    whole and append k_max - 1 masks every pass, the same on every machine)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -101,6 +110,8 @@ def _validate(cfg: DecodeConfig) -> None:
         raise _fail("ngram_max", cfg.ngram_max, "use an int >= 1")
     if not isinstance(cfg.ngram_draft_len, int) or cfg.ngram_draft_len < 1:
         raise _fail("ngram_draft_len", cfg.ngram_draft_len, "use an int >= 1")
+    if not isinstance(cfg.cost_aware, bool):
+        raise _fail("cost_aware", cfg.cost_aware, "use True or False")
 
 
 def _is_number(x: object) -> bool:

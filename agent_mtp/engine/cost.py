@@ -1,8 +1,7 @@
-"""Cost-aware k: how expensive a forward of n tokens is on this machine, and which k pays most.
+"""The cost curve: how expensive a forward of n tokens is on this machine, relative to one token.
 
-On a CPU a 16-token forward costs ~2x a 1-token forward (fp32), on a GPU ~1x, so the best number of masks differs:
-``KChooser`` maximises expected tokens per unit of time, E[accepted | k] / cost(tokens fed), from the measured cost
-curve and the running per-position acceptance rates.
+On a CPU a 16-token forward costs ~2x a 1-token forward (fp32), on a GPU ~1x, so the best number of masks differs;
+the planner (:mod:`agent_mtp.engine.planner`) reads this curve.
 """
 
 from __future__ import annotations
@@ -11,10 +10,8 @@ import bisect
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-
-from agent_mtp.engine.acceptance import expected_accepted
 
 CURVE_POINTS = (1, 2, 4, 8, 16, 32)
 
@@ -95,39 +92,3 @@ def load_or_measure(path: Path, measure: Callable[[], CostCurve]) -> CostCurve:
     except OSError:
         pass
     return curve
-
-
-@dataclass
-class KChooser:
-    """Running per-position acceptance and the k that maximises expected tokens per second."""
-
-    curve: CostCurve
-    k_cap: int = 16
-    explore_every: int = 16
-    rates: list[float] = field(default_factory=list)
-    _passes: int = 0
-
-    def __post_init__(self) -> None:
-        if not self.rates:
-            self.rates = [0.6] * (self.k_cap - 1)
-
-    def choose(self, fed_without_masks: int) -> int:
-        """k in [1, k_cap]: 1 NTP token + (k - 1) masks."""
-        self._passes += 1
-        if self.explore_every and self._passes % self.explore_every == 0:
-            return self.k_cap
-        gains = expected_accepted(self.rates)
-        best_k, best_value = 1, 0.0
-        for k in range(1, self.k_cap + 1):
-            value = gains[k - 1] / self.curve.cost(fed_without_masks + k - 1)
-            if value > best_value + 1e-9:
-                best_k, best_value = k, value
-        return best_k
-
-    def observe(self, proposed: int, accepted: int) -> None:
-        """``proposed`` positions beyond the first were offered, the first ``accepted`` of them were kept."""
-        for j in range(min(proposed, accepted + 1)):
-            if j >= len(self.rates):
-                break
-            hit = 1.0 if j < accepted else 0.0
-            self.rates[j] = 0.9 * self.rates[j] + 0.1 * hit

@@ -28,9 +28,8 @@ from agent_mtp.engine.acceptance import (
 )
 from agent_mtp.engine.config import DecodeConfig
 from agent_mtp.engine.constraints import TokenConstraint
-from agent_mtp.engine.cost import KChooser
-from agent_mtp.engine.drafts import Draft, MTPDraftSource, NgramDraftSource, choose_draft
-from agent_mtp.engine.planner import VerifyPlanner
+from agent_mtp.engine.drafts import Draft, DraftSource, MTPDraftSource, NgramDraftSource
+from agent_mtp.engine.planner import Planner
 from agent_mtp.engine.results import DecodeStats, FinishReason, StreamChunk
 from agent_mtp.engine.runner import Runner
 from agent_mtp.engine.text import TextTracker
@@ -42,10 +41,8 @@ class DecodeSetup:
 
     mask_token_id: int
     eos_token_ids: frozenset[int]
-    k_chooser: KChooser | None = None
-    """Required when ``k_max == "auto"`` (static / confadapt)."""
-    planner: VerifyPlanner | None = None
-    """Cost-aware choice of draft and masks in verified mode (None: best draft + k_max - 1 masks)."""
+    planner: Planner
+    """Decides draft and masks of every pass (one per generation: it learns acceptance rates)."""
 
 
 @dataclass
@@ -63,7 +60,8 @@ class _State:
     """prompt + everything accepted (for n-gram lookup)."""
     out: list[int] = field(default_factory=list)
     mtp: MTPDraftSource = field(default_factory=MTPDraftSource)
-    ngram: NgramDraftSource | None = None
+    sources: list[DraftSource] = field(default_factory=list)
+    """Draft sources asked before every verified pass (MTP first, then prompt lookup)."""
 
 
 def decode(
@@ -80,8 +78,8 @@ def decode(
     stats = DecodeStats(mode=cfg.mode, prompt_tokens=len(prompt_ids))
     generator = torch.Generator().manual_seed(cfg.seed) if cfg.seed is not None else None
     state = _State(pending=list(prompt_ids), context=list(prompt_ids))
-    if cfg.mode == "verified" and "ngram" in cfg.drafts:
-        state.ngram = NgramDraftSource(cfg.ngram_max, cfg.ngram_draft_len)
+    if cfg.mode == "verified":
+        state.sources = _draft_sources(state, cfg)
     finish: FinishReason | None = None
     while finish is None:
         if cfg.max_time is not None and stats.forward_passes and time.perf_counter() - start >= cfg.max_time:
@@ -123,14 +121,9 @@ def _one_pass(
     generator: torch.Generator | None,
     stats: DecodeStats,
 ) -> _PassResult:
-    if cfg.mode == "verified" and setup.planner is not None:
-        draft, masks = setup.planner.plan(len(state.pending), _draft_candidates(state, cfg, budget), budget - 1)
-        draft_tokens = list(draft.tokens) if draft else []
-    else:
-        draft = _select_draft(state, cfg, budget) if cfg.mode == "verified" else None
-        draft_tokens = list(draft.tokens) if draft else []
-        k = _choose_k(cfg, setup, len(state.pending) + len(draft_tokens))
-        masks = min(k - 1, max(budget - 1 - len(draft_tokens), 0))
+    plan = setup.planner.plan(len(state.pending), _drafts(state, budget), budget)
+    draft, masks = plan.draft, plan.masks
+    draft_tokens = plan.draft_tokens
     feed = state.pending + draft_tokens + [setup.mask_token_id] * masks
     keep = len(draft_tokens) + masks + 1
     logits = runner.forward(feed, keep)  # [keep, V]: row 0 = last pending token
@@ -142,39 +135,27 @@ def _one_pass(
         result = _verify(logits, draft, masks, state, cfg, constraint, generator, stats)
         runner.drop(len(draft_tokens) - result.accepted_beyond_first + masks)
         state.pending = [result.new_tokens[-1]] if result.new_tokens else []
-        if setup.planner is not None and draft is not None:
-            setup.planner.observe(draft, result.accepted_beyond_first)
     else:
         result = _propose_and_accept(logits, masks, cfg, constraint, generator)
         runner.drop(masks)
         state.pending = list(result.new_tokens)
-    if setup.k_chooser is not None and cfg.mode != "verified":
-        setup.k_chooser.observe(result.proposed_beyond_first, result.accepted_beyond_first)
+    setup.planner.observe(plan, result.proposed_beyond_first, result.accepted_beyond_first)
     return result
 
 
-def _choose_k(cfg: DecodeConfig, setup: DecodeSetup, fed: int) -> int:
-    if cfg.mode == "ntp":
-        return 1
-    if cfg.k_max == "auto":
-        assert setup.k_chooser is not None, "k_max='auto' needs a KChooser"
-        return setup.k_chooser.choose(fed)
-    return int(cfg.k_max)
-
-
-def _draft_candidates(state: _State, cfg: DecodeConfig, budget: int) -> list[Draft]:
-    max_len = budget - 1
-    candidates: list[Draft | None] = []
-    mtp = state.mtp.propose(state.context, max_len)
+def _draft_sources(state: _State, cfg: DecodeConfig) -> list[DraftSource]:
+    sources: list[DraftSource] = []
     if "mtp" in cfg.drafts:
-        candidates.append(mtp)
-    if state.ngram is not None:
-        candidates.append(state.ngram.propose(state.context, max_len))
-    return [d for d in candidates if d is not None and d.tokens]
+        sources.append(state.mtp)
+    if "ngram" in cfg.drafts:
+        sources.append(NgramDraftSource(cfg.ngram_max, cfg.ngram_draft_len))
+    return sources
 
 
-def _select_draft(state: _State, cfg: DecodeConfig, budget: int) -> Draft | None:
-    return choose_draft(list(_draft_candidates(state, cfg, budget)))
+def _drafts(state: _State, budget: int) -> list[Draft]:
+    """Every source's proposal for the next pass (none outside verified mode: no sources)."""
+    proposals = [source.propose(state.context, budget - 1) for source in state.sources]
+    return [d for d in proposals if d is not None and d.tokens]
 
 
 def _masked_probs(row: torch.Tensor, cfg: DecodeConfig, constraint: TokenConstraint | None) -> torch.Tensor:
@@ -262,8 +243,9 @@ def _verify(
     new_tokens = accepted + ([correction] if correction >= 0 else [])
     if draft is not None:
         _record_draft(stats, draft, len(accepted))
-        if state.ngram is not None and draft.source == state.ngram.name:
-            state.ngram.update(draft, len(accepted))
+        for draft_source in state.sources:
+            if draft_source.name == draft.source:
+                draft_source.update(draft, len(accepted))
     source = draft.source if draft is not None and accepted else "ntp"
     return _PassResult(new_tokens, source, len(tokens), len(accepted))
 

@@ -14,10 +14,11 @@ import torch
 from agent_mtp.engine.adapter import MTPAdapter, load_adapter
 from agent_mtp.engine.config import DecodeConfig
 from agent_mtp.engine.constraints import TokenConstraint
-from agent_mtp.engine.cost import CostCurve, KChooser, load_or_measure, measure_cost_curve
+from agent_mtp.engine.cost import CostCurve, load_or_measure, measure_cost_curve
 from agent_mtp.engine.decode import DecodeSetup, decode
-from agent_mtp.engine.loading import DEFAULT_MODEL_ALIASES, cache_root, load_model
-from agent_mtp.engine.planner import VerifyPlanner
+from agent_mtp.engine.loading import DEFAULT_MODEL_ALIASES, LoadedModel, cache_root, load_model
+from agent_mtp.engine.planner import Planner, needs_cost_curve
+from agent_mtp.engine.prompt import eos_token_ids, render_messages
 from agent_mtp.engine.results import GenerationResult, StreamChunk
 from agent_mtp.engine.runner import CachedRunner, ReferenceRunner, Runner
 from agent_mtp.engine.text import TextTracker
@@ -38,31 +39,28 @@ class MTPEngine:
     >>> r = engine.generate("List three colours.", DecodeConfig(mode="verified", max_new_tokens=64))
     >>> r.text, r.finish_reason, r.stats.tokens_per_forward
 
+    ``MTPEngine(loaded, adapter=...)`` wraps a model that is already loaded (a
+    :class:`~agent_mtp.engine.loading.LoadedModel`: model, tokenizer, model id, mask token and its id).
+
     Thread-safe: generations on one engine are serialised by a lock (results equal sequential calls).
     """
 
     def __init__(
         self,
-        model: Any,
-        tokenizer: Any,
+        loaded: LoadedModel,
         *,
-        model_id: str,
-        mask_token: str,
-        mask_token_id: int,
         adapter: MTPAdapter | None = None,
         cost_curve: CostCurve | None = None,
     ) -> None:
-        self.model = model
-        self.tokenizer = tokenizer
-        self.model_id = model_id
-        self.mask_token = mask_token
-        self.mask_token_id = mask_token_id
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.model_id = loaded.model_id
+        self.mask_token = loaded.mask_token
+        self.mask_token_id = loaded.mask_token_id
         self.adapter = adapter
         self._cost_curve = cost_curve
         self._lock = threading.RLock()
-        self.cost_aware = True
-        """Verified mode plans drafts and masks from the cost curve (False: always k_max - 1 masks)."""
-        self.eos_token_ids = _eos_ids(model, tokenizer)
+        self.eos_token_ids = frozenset(eos_token_ids(self.model, self.tokenizer))
 
     # -- construction -----------------------------------------------------------------------------------------
     @classmethod
@@ -96,14 +94,7 @@ class MTPEngine:
                     f"model has {loaded.mask_token!r}."
                 )
                 raise AdapterError(msg + f" Pass mask_token={mtp_adapter.config.mask_token!r}.")
-        return cls(
-            loaded.model,
-            loaded.tokenizer,
-            model_id=loaded.model_id,
-            mask_token=loaded.mask_token,
-            mask_token_id=loaded.mask_token_id,
-            adapter=mtp_adapter,
-        )
+        return cls(loaded, adapter=mtp_adapter)
 
     # -- prompts ------------------------------------------------------------------------------------------------
     @property
@@ -112,7 +103,7 @@ class MTPEngine:
 
     def encode_prompt(self, prompt: Prompt) -> list[int]:
         """Token ids of a prompt: token ids pass through; a string becomes one user message and a list of
-        {"role", "content"} dicts a conversation, both rendered with the chat template (plain text without one)."""
+        {"role", "content"} dicts a conversation, both rendered by :func:`~agent_mtp.engine.prompt.render_messages`."""
         if isinstance(prompt, str):
             if not prompt.strip():
                 raise EmptyPromptError("The prompt is empty; pass some text, messages or token ids.")
@@ -133,16 +124,7 @@ class MTPEngine:
         for i, m in enumerate(messages):
             if "role" not in m or "content" not in m:
                 raise PromptError(f"Message {i} needs 'role' and 'content' keys; got {sorted(m)}.")
-        if getattr(self.tokenizer, "chat_template", None):
-            ids = self.tokenizer.apply_chat_template(
-                [dict(m) for m in messages], add_generation_prompt=True, tokenize=True, return_dict=False
-            )
-            if isinstance(ids, Mapping):
-                ids = ids["input_ids"]
-        else:
-            text = "\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\nassistant:"
-            ids = self.tokenizer(text, add_special_tokens=True)["input_ids"]
-        return self._check_ids(list(ids))
+        return self._check_ids(render_messages(self.tokenizer, messages))
 
     def _check_ids(self, ids: list[int]) -> list[int]:
         if not ids:
@@ -180,7 +162,8 @@ class MTPEngine:
         cfg = config or DecodeConfig()
         ids = self.encode_prompt(prompt)
         cfg = self._fit_to_context(cfg, len(ids))
-        setup = DecodeSetup(self.mask_token_id, self.eos_token_ids, self._k_chooser(cfg), self._planner(cfg))
+        curve = self.cost_curve if needs_cost_curve(cfg) else None
+        setup = DecodeSetup(self.mask_token_id, self.eos_token_ids, Planner.for_config(cfg, curve))
         with self._lock:
             runner: Runner = ReferenceRunner(self.model) if _reference else CachedRunner(self.model)
             tracker = TextTracker(self.tokenizer, cfg.stop)
@@ -241,20 +224,11 @@ class MTPEngine:
         """Relative cost of an n-token forward on this machine, measured once and cached on disk."""
         if self._cost_curve is None:
             with self._lock:
-                self._cost_curve = load_or_measure(self._cost_curve_path(), self._measure_cost_curve)
+                self._cost_curve = load_or_measure(self._cost_curve_path(), self.measure_cost_curve)
         return self._cost_curve
 
     def set_cost_curve(self, curve: CostCurve) -> None:
         self._cost_curve = curve
-
-    def _k_chooser(self, cfg: DecodeConfig) -> KChooser | None:
-        return KChooser(self.cost_curve) if cfg.k_max == "auto" and cfg.mode != "ntp" else None
-
-    def _planner(self, cfg: DecodeConfig) -> VerifyPlanner | None:
-        if cfg.mode != "verified" or not self.cost_aware:
-            return None
-        k_cap = 16 if cfg.k_max == "auto" else int(cfg.k_max)
-        return VerifyPlanner(self.cost_curve, k_cap)
 
     def _cost_curve_path(self) -> Path:
         device = str(self.model.device).replace(":", "")
@@ -262,18 +236,22 @@ class MTPEngine:
         dtype = str(self.model.dtype).replace("torch.", "")
         return cache_root() / "cost_curves" / f"{slug}-{device}-{dtype}-t{torch.get_num_threads()}.json"
 
-    def _measure_cost_curve(self) -> CostCurve:
-        log.info("Measuring the forward cost curve of %s (once per machine)", self.model_id)
+    def measure_cost_curve(self) -> CostCurve:
+        """Time forwards of 1..32 tokens on a cached 64-token prefix now and return the curve (relative to one
+        token). :attr:`cost_curve` measures once per machine and caches it on disk; call this to measure afresh
+        (then :meth:`set_cost_curve`)."""
+        log.info("Measuring the forward cost curve of %s", self.model_id)
         high = min(1000, self.mask_token_id)
         prefix = [int(t) for t in torch.randint(3, high, (64,), generator=torch.Generator().manual_seed(0))]
-        runner = CachedRunner(self.model)
-        runner.forward(prefix, 1)
+        with self._lock:
+            runner = CachedRunner(self.model)
+            runner.forward(prefix, 1)
 
-        def forward_n(n: int) -> None:
-            runner.forward([self.mask_token_id] * n, 1)
-            runner.drop(n)
+            def forward_n(n: int) -> None:
+                runner.forward([self.mask_token_id] * n, 1)
+                runner.drop(n)
 
-        return measure_cost_curve(forward_n)
+            return measure_cost_curve(forward_n)
 
 
 def _dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -296,14 +274,3 @@ def _adapter_dir(name_or_path: str, adapter: str | Path | None) -> Path | None:
         return DEFAULT_ADAPTER_DIR if (DEFAULT_ADAPTER_DIR / "adapter_config.json").is_file() else None
     beside = Path(name_or_path) / "mtp_adapter"
     return beside if (beside / "adapter_config.json").is_file() else None
-
-
-def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
-    ids: set[int] = set()
-    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
-        value = getattr(source, "eos_token_id", None)
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, (list, tuple)):
-            ids.update(int(v) for v in value)
-    return frozenset(ids)

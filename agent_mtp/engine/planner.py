@@ -1,50 +1,156 @@
-"""Cost-aware planning of a verified pass: which draft to verify, how much of it, and how many masks to append.
+"""The planner: before every forward pass, one object decides which draft to verify and how many masks to append
+(so k = 1 + masks), for every mode, from one acceptance-rate estimator and the machine's cost curve.
 
-Verification is free only in forward passes, not in time: on a CPU an 18-token pass costs ~2x a 1-token pass. Each
-pass therefore maximises expected tokens per unit cost,
+* ``ntp``: no draft, no masks.
+* ``static`` / ``confadapt`` with an int ``k_max``: ``k_max - 1`` masks. With ``k_max="auto"``: the k that
+  maximises expected tokens per unit of time, E[accepted | k] / cost(tokens fed).
+* ``verified``, cost-aware (``DecodeConfig.cost_aware``, the default): verification is free only in forward
+  passes, not in time (on a CPU an 18-token pass costs ~2x a 1-token pass), so each pass maximises
 
-    value = 1 + E[accepted draft tokens] + P(whole draft accepted) * E[next MTP draft] * FUTURE_CREDIT
-    cost  = cost_curve(pending + draft length + masks)
+      value = 1 + E[accepted draft tokens] + P(whole draft accepted) * E[next MTP draft] * FUTURE_CREDIT
+      cost  = cost_curve(pending + draft length + masks)
 
-over the candidates {no draft, MTP draft, n-gram draft} x their prefixes x mask counts. Acceptance probabilities come
-from running per-position hit rates (MTP blended with the model's own confidence), so a weak adapter is used
-sparingly and a strong one fully, without any setting changing. Output stays exact whatever is chosen.
+  over {no draft, each source's draft} x their prefixes x mask counts. A weak adapter is used sparingly and a
+  strong one fully, without any setting changing; output stays exact whatever is chosen.
+* ``verified``, not cost-aware: the best-scoring draft and ``k_max - 1`` masks (the k rule above with "auto").
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from agent_mtp.engine.acceptance import expected_accepted
+from agent_mtp.engine.config import DecodeConfig
 from agent_mtp.engine.cost import CostCurve
-from agent_mtp.engine.drafts import Draft
+from agent_mtp.engine.drafts import Draft, choose_draft
 
 FUTURE_CREDIT = 0.5
 """Masks pay off one pass later (as the next draft), and that verification costs time then: count half."""
+AUTO_K_CAP = 16
+"""Most tokens per pass that ``k_max="auto"`` considers."""
 
 
 @dataclass
-class VerifyPlanner:
-    curve: CostCurve
+class AcceptanceRates:
+    """Running acceptance estimates (EWMA): per mask position, P(accepted | the positions before it accepted),
+    and one rate for prompt-lookup drafts."""
+
+    positions: list[float]
+    ngram: float = 0.5
+
+    def observe_positions(self, proposed: int, accepted: int) -> None:
+        """``proposed`` positions beyond the first were offered and the first ``accepted`` of them kept; each
+        position up to the first rejection is one trial."""
+        for j in range(min(proposed, accepted + 1, len(self.positions))):
+            hit = 1.0 if j < accepted else 0.0
+            self.positions[j] = 0.9 * self.positions[j] + 0.1 * hit
+
+    def observe_ngram(self, proposed: int, accepted: int) -> None:
+        trials = min(proposed, accepted + 1)
+        rate = accepted / trials if trials else self.ngram
+        self.ngram = 0.9 * self.ngram + 0.1 * rate
+
+    def draft_probs(self, draft: Draft) -> list[float]:
+        """P(token i of ``draft`` accepted | tokens before it accepted); MTP drafts blend in their confidences."""
+        if draft.source == "mtp":
+            conf = list(draft.confidences) if draft.confidences else [0.5] * len(draft.tokens)
+            blended = [0.5 * c + 0.5 * r for c, r in zip(conf, self.positions, strict=False)]
+            return blended + [0.0] * max(len(draft.tokens) - len(self.positions), 0)
+        return [self.ngram] * len(draft.tokens)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the next pass feeds beyond the pending tokens."""
+
+    draft: Draft | None
+    masks: int
+
+    @property
+    def draft_tokens(self) -> list[int]:
+        return list(self.draft.tokens) if self.draft is not None else []
+
+
+@dataclass
+class Planner:
+    """Decides draft and masks per pass and learns from what was accepted. One per generation.
+
+    ``curve`` is None when nothing needs it (fixed k, not cost-aware): then no cost is ever looked up.
+    """
+
+    mode: str
     k_cap: int
-    ngram_rate: float = 0.5
-    explore_every: int = 8
-    mtp_rates: list[float] = field(default_factory=list)
+    """Most tokens per pass (``k_max``, or :data:`AUTO_K_CAP` for "auto")."""
+    auto_k: bool = False
+    """static / confadapt: choose k per pass from the cost curve (``k_max="auto"``)."""
+    cost_aware: bool = False
+    """verified: plan draft and masks from the cost curve."""
+    curve: CostCurve | None = None
+    rates: AcceptanceRates = field(default_factory=lambda: AcceptanceRates([]))
+    explore_every: int = 16
+    """Every n-th pass tries the largest k (so the rates keep learning); 0 never."""
     _passes: int = 0
 
-    def __post_init__(self) -> None:
-        if not self.mtp_rates:
-            self.mtp_rates = [0.5] * max(self.k_cap - 1, 0)
+    @classmethod
+    def for_config(cls, cfg: DecodeConfig, curve: CostCurve | None) -> Planner:
+        """The planner of one generation; ``curve`` is needed when :func:`needs_cost_curve` says so."""
+        k_cap = AUTO_K_CAP if cfg.k_max == "auto" else int(cfg.k_max)
+        auto_k = cfg.k_max == "auto" and cfg.mode != "ntp"
+        cost_aware = cfg.mode == "verified" and cfg.cost_aware
+        if cost_aware:  # a verified pass: rates of MTP drafts and n-grams, explore more often
+            return cls(cfg.mode, k_cap, auto_k, True, curve, AcceptanceRates([0.5] * max(k_cap - 1, 0)), 8)
+        return cls(cfg.mode, k_cap, auto_k, False, curve, AcceptanceRates([0.6] * (k_cap - 1)), 16)
 
-    def plan(self, pending: int, candidates: list[Draft], room: int) -> tuple[Draft | None, int]:
-        """Return (draft or None, number of masks) for the next pass. ``room`` = tokens left minus one."""
+    def plan(self, pending: int, drafts: list[Draft], budget: int) -> Plan:
+        """The next pass for ``pending`` uncached tokens, the sources' ``drafts`` and ``budget`` tokens left."""
+        if self.cost_aware:
+            return self._plan_verified(pending, drafts, budget - 1)
+        draft = choose_draft(list(drafts)) if self.mode == "verified" else None
+        length = len(draft.tokens) if draft is not None else 0
+        k = self._choose_k(pending + length)
+        return Plan(draft, min(k - 1, max(budget - 1 - length, 0)))
+
+    def observe(self, plan: Plan, proposed: int, accepted: int) -> None:
+        """``proposed`` tokens beyond the first were checked (draft or masks); the first ``accepted`` were kept."""
+        if self.mode == "verified":
+            if self.cost_aware and plan.draft is not None:
+                if plan.draft.source == "mtp":
+                    self.rates.observe_positions(len(plan.draft.tokens), accepted)
+                else:
+                    self.rates.observe_ngram(len(plan.draft.tokens), accepted)
+        elif self.auto_k:
+            self.rates.observe_positions(proposed, accepted)
+
+    # -- k for static / confadapt (and verified when not cost-aware) -----------------------------------------------
+    def _choose_k(self, fed_without_masks: int) -> int:
+        if self.mode == "ntp":
+            return 1
+        if not self.auto_k:
+            return self.k_cap
+        assert self.curve is not None, 'k_max="auto" needs a cost curve'
+        self._passes += 1
+        if self.explore_every and self._passes % self.explore_every == 0:
+            return self.k_cap
+        gains = expected_accepted(self.rates.positions)
+        best_k, best_value = 1, 0.0
+        for k in range(1, self.k_cap + 1):
+            value = gains[k - 1] / self.curve.cost(fed_without_masks + k - 1)
+            if value > best_value + 1e-9:
+                best_k, best_value = k, value
+        return best_k
+
+    # -- verified: draft and masks --------------------------------------------------------------------------------
+    def _plan_verified(self, pending: int, candidates: list[Draft], room: int) -> Plan:
+        """``room`` = tokens left minus one."""
+        assert self.curve is not None, "cost-aware verification needs a cost curve"
         self._passes += 1
         best: tuple[float, Draft | None, int] = (-1.0, None, 0)
         options: list[tuple[Draft | None, list[float]]] = [(None, [])]
         for candidate in candidates:
-            probs = self._probs(candidate)
+            probs = self.rates.draft_probs(candidate)
             for length in range(1, min(len(candidate.tokens), room) + 1):
                 options.append((Draft(candidate.tokens[:length], candidate.source, candidate.score), probs[:length]))
-        mask_gain = _cumulative(self.mtp_rates)
+        mask_gain = _cumulative(self.rates.positions)
         for option, probs in options:
             expected, p_all = _expected(probs)
             length = len(option.tokens) if option else 0
@@ -56,26 +162,12 @@ class VerifyPlanner:
         _, draft, masks = best
         if self.explore_every and self._passes % self.explore_every == 0 and masks == 0:
             masks = max(min(self.k_cap - 1, room - (len(draft.tokens) if draft else 0)), 0)
-        return draft, masks
+        return Plan(draft, masks)
 
-    def _probs(self, draft: Draft) -> list[float]:
-        if draft.source == "mtp":
-            conf = list(draft.confidences) if draft.confidences else [0.5] * len(draft.tokens)
-            return [0.5 * c + 0.5 * r for c, r in zip(conf, self.mtp_rates, strict=False)] + [0.0] * max(
-                len(draft.tokens) - len(self.mtp_rates), 0
-            )
-        return [self.ngram_rate] * len(draft.tokens)
 
-    def observe(self, draft: Draft, accepted: int) -> None:
-        """Update hit rates from how many tokens of a verified draft matched."""
-        if draft.source == "mtp":
-            for j in range(min(len(draft.tokens), accepted + 1, len(self.mtp_rates))):
-                hit = 1.0 if j < accepted else 0.0
-                self.mtp_rates[j] = 0.9 * self.mtp_rates[j] + 0.1 * hit
-        else:
-            trials = min(len(draft.tokens), accepted + 1)
-            rate = accepted / trials if trials else self.ngram_rate
-            self.ngram_rate = 0.9 * self.ngram_rate + 0.1 * rate
+def needs_cost_curve(cfg: DecodeConfig) -> bool:
+    """True when the planner of ``cfg`` reads the cost curve (so an engine measures it only then)."""
+    return (cfg.k_max == "auto" and cfg.mode != "ntp") or (cfg.mode == "verified" and cfg.cost_aware)
 
 
 def _expected(probs: list[float]) -> tuple[float, float]:

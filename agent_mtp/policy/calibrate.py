@@ -20,10 +20,10 @@ from typing import Any
 
 import yaml
 
-from agent_mtp.engine.config import DecodeConfig
+from agent_mtp.engine.config import LOSSY_MODES, DecodeConfig
 from agent_mtp.policy.loading import PolicySource, load_policy, parse_policy, resolve_policy_path
 from agent_mtp.policy.monitors import EngineLike
-from agent_mtp.policy.schema import LOSSY_MODES, Policy
+from agent_mtp.policy.schema import Policy
 from agent_mtp.policy.suites import CalibrationPrompt
 
 DEFAULT_THRESHOLDS: tuple[float, ...] = (0.99, 0.95, 0.9, 0.85, 0.8, 0.7, 0.6, 0.5)

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from agent_mtp.engine.config import DecodeConfig
+from agent_mtp.engine.config import LOSSY_MODES, DecodeConfig
 from agent_mtp.engine.constraints import TokenConstraint
 from agent_mtp.engine.results import GenerationResult
 from agent_mtp.errors import QualityError
@@ -33,7 +33,7 @@ from agent_mtp.policy.monitors import (
     builtin_monitors,
 )
 from agent_mtp.policy.retries import AttemptRecord, build_retrying, retry_configs
-from agent_mtp.policy.schema import LOSSY_MODES, Policy, StepSettings
+from agent_mtp.policy.schema import Policy, StepSettings
 
 log = logging.getLogger(__name__)
 

@@ -16,10 +16,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from agent_mtp.engine.config import DecodeConfig
+from agent_mtp.engine.config import LOSSY_MODES, DecodeConfig
 from agent_mtp.engine.constraints import TokenConstraint
 from agent_mtp.engine.results import GenerationResult
-from agent_mtp.policy.schema import LOSSY_MODES, StepSettings
+from agent_mtp.policy.schema import StepSettings
 
 
 @dataclass(frozen=True)

@@ -8,20 +8,20 @@ replace, mappings merge. :meth:`Policy.effective` returns the merged settings of
 from __future__ import annotations
 
 from functools import cached_property
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
-from agent_mtp.engine.config import K_MAX_LIMIT, DecodeConfig
+from agent_mtp.engine.config import K_MAX_LIMIT, LOSSLESS_MODES, LOSSY_MODES, DecodeConfig, DraftName, Mode
 
 BUILTIN_STEP_TYPES: tuple[str, ...] = ("tool_call", "reasoning", "formatting", "final_answer")
-LOSSY_MODES: frozenset[str] = frozenset({"static", "confadapt"})
-"""Modes whose output may differ from NTP; only these feed the breaker and the NTP agreement monitor."""
 MODE_SAFETY: dict[str, int] = {"static": 0, "confadapt": 1, "verified": 2, "ntp": 3}
+"""Retries only move to a safer mode; every lossless mode ranks above every lossy one."""
 
-PolicyMode = Literal["ntp", "static", "confadapt", "verified"]
+PolicyMode = Mode
 SafeMode = Literal["ntp", "verified"]
-DraftSource = Literal["mtp", "ngram"]
+"""The lossless modes (what an open breaker falls back to)."""
+DraftSource = DraftName
 RetryOn = Literal["monitor_failed", "timeout", "retryable_error"]
 Role = Literal["system", "user", "assistant", "tool"]
 ToolChoiceKind = Literal["unset", "none", "auto", "any", "named"]
@@ -319,6 +319,11 @@ def semantic_problems(policy: Policy) -> list[Problem]:
         prefix: tuple[str | int, ...] = ("defaults",) if name == "defaults" else ("steps", name)
         problems.extend((prefix + loc, msg) for loc, msg in _step_problems(settings))
     return problems
+
+
+assert set(get_args(SafeMode)) == LOSSLESS_MODES, "SafeMode must list the engine's lossless modes"
+assert set(MODE_SAFETY) == set(LOSSY_MODES | LOSSLESS_MODES), "MODE_SAFETY must rank every engine mode"
+assert max(MODE_SAFETY[m] for m in LOSSY_MODES) < min(MODE_SAFETY[m] for m in LOSSLESS_MODES)
 
 
 def _undeclared(name: str, declared: set[str]) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -124,11 +125,11 @@ def distill_command(
 
 def unseen_tool_prompts(tokenizer: object, n: int) -> list[EvalPrompt]:
     """Tool-call prompts from a seed the training data never uses (the hash split may leave none held out)."""
+    from agent_mtp.engine.prompt import render_messages
     from agent_mtp.training.agent_prompts import agent_prompts
-    from agent_mtp.training.data import _encode
 
     prompts = [p for p in agent_prompts(7 * n, seed=EVAL_SEED) if p.kind == "tool_call"][:n]
-    return [EvalPrompt(p.kind, _encode(tokenizer, p.messages)) for p in prompts]
+    return [EvalPrompt(p.kind, render_messages(tokenizer, p.messages)) for p in prompts]
 
 
 EVAL_SEED = 7919
@@ -225,11 +226,7 @@ def _distill(**o: Any) -> None:
         seed=int(o["seed"]),
     )
     trainer = Trainer(
-        model,
-        lm.tokenizer,
-        model_id=lm.model_id,
-        mask_token=lm.mask_token,
-        mask_token_id=lm.mask_token_id,
+        dataclasses.replace(lm, model=model),
         config=cfg,
         train=train,
         heldout=heldout,

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from agent_mtp.engine.prompt import eos_token_ids, render_messages
 from agent_mtp.errors import TrainingError
 from agent_mtp.training.agent_prompts import agent_prompts
 
@@ -150,10 +151,10 @@ def generate_responses(
     out = out_dir / RESPONSES_FILE
     done = {r.id for r in read_records(out_dir, missing_ok=True)}
     todo = [p for p in prompts if p.id not in done]
-    encoded = [(p, _encode(tokenizer, p.messages)) for p in todo]
+    encoded = [(p, render_messages(tokenizer, p.messages)) for p in todo]
     encoded = [(p, ids) for p, ids in encoded if len(ids) <= max_prompt_tokens]
     encoded = _length_sorted_windows(encoded, 8 * batch_size)
-    eos = _eos_ids(model, tokenizer)
+    eos = list(eos_token_ids(model, tokenizer))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     deadline = time.monotonic() + 60 * max_minutes if max_minutes else None
     written = 0
@@ -195,20 +196,6 @@ def _length_sorted_windows(
     for start in range(0, len(items), window):
         out += sorted(items[start : start + window], key=lambda x: len(x[1]))
     return out
-
-
-def _encode(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-    if isinstance(ids, dict) or hasattr(ids, "keys"):
-        ids = ids["input_ids"]
-    return [int(t) for t in ids]
-
-
-def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
-    eos = getattr(model.generation_config, "eos_token_id", None) if hasattr(model, "generation_config") else None
-    if eos is None:
-        eos = tokenizer.eos_token_id
-    return [int(e) for e in (eos if isinstance(eos, list) else [eos])]
 
 
 @torch.no_grad()

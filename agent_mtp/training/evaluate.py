@@ -42,7 +42,7 @@ def variants(k_max: int, max_new_tokens: int) -> dict[str, DecodeConfig]:
     base = DecodeConfig(mode="ntp", k_max=k_max, max_new_tokens=max_new_tokens)
     return {
         "ntp": base,
-        "verified": base.replace(mode="verified", drafts=("mtp",)),
+        "verified": base.replace(mode="verified", drafts=("mtp",), cost_aware=False),
         "confadapt_0.9": base.replace(mode="confadapt", threshold=0.9),
         "confadapt_0.8": base.replace(mode="confadapt", threshold=0.8),
     }
@@ -53,13 +53,12 @@ def evaluate(engine: MTPEngine, prompts: Sequence[EvalPrompt], *, k_max: int, ma
     (fraction of NTP tokens reproduced before the first divergence), ``json_valid_<variant>`` on JSON kinds,
     ``verified_exact`` (verified output == NTP output on every prompt).
 
-    Verified mode runs without the engine's cost-aware planner (every pass verifies the whole MTP draft and appends
-    k_max - 1 masks): the planner's choices depend on this machine's measured cost curve, so with it the figure
+    Verified mode runs with ``cost_aware=False`` (every pass verifies the whole MTP draft and appends k_max - 1
+    masks): the planner's choices depend on this machine's measured cost curve, so with it the figure
     would measure the machine as much as the adapter. ``agent-mtp bench`` measures the planned engine."""
     outputs: dict[str, list[tuple[list[int], str, int]]] = {}
-    was_training, was_cost_aware = engine.model.training, engine.cost_aware
+    was_training = engine.model.training
     engine.model.eval()
-    engine.cost_aware = False
     try:
         with torch.no_grad():
             for name, cfg in variants(k_max, max_new_tokens).items():
@@ -69,7 +68,6 @@ def evaluate(engine: MTPEngine, prompts: Sequence[EvalPrompt], *, k_max: int, ma
                     outputs[name].append((r.token_ids, r.text, r.stats.forward_passes))
     finally:
         engine.model.train(was_training)
-        engine.cost_aware = was_cost_aware
     metrics: dict[str, Any] = {}
     ntp = outputs["ntp"]
     for name, outs in outputs.items():

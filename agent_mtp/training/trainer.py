@@ -25,6 +25,7 @@ import torch
 
 from agent_mtp.engine.adapter import LLAMA_TARGETS, MTPAdapter, load_adapter, new_adapter, read_adapter_config
 from agent_mtp.engine.engine import MTPEngine
+from agent_mtp.engine.loading import LoadedModel
 from agent_mtp.errors import AdapterError, TrainingError
 from agent_mtp.training.attention import use_slot_attention
 from agent_mtp.training.data import Record, read_records
@@ -146,12 +147,8 @@ class Trainer:
 
     def __init__(
         self,
-        model: Any,
-        tokenizer: Any,
+        loaded: LoadedModel,
         *,
-        model_id: str,
-        mask_token: str,
-        mask_token_id: int,
         config: TrainConfig,
         train: Sequence[Record],
         heldout: Sequence[Record],
@@ -160,8 +157,11 @@ class Trainer:
         extra_eval: Sequence[EvalPrompt] = (),
         real_pass_dir: str | Path | None = None,
     ) -> None:
-        """``real_pass_dir``: where the real-pass cache keeps its entries across runs (None: memory only)."""
+        """``loaded``: the base model, its tokenizer and mask token (:func:`~agent_mtp.engine.loading.load_model`).
+        ``real_pass_dir``: where the real-pass cache keeps its entries across runs (None: memory only)."""
         config.validate()
+        model, tokenizer = loaded.model, loaded.tokenizer
+        model_id, mask_token, mask_token_id = loaded.model_id, loaded.mask_token, loaded.mask_token_id
         if not train:
             raise TrainingError("No training records (the data holds only held-out prompts?). Build more data.")
         self.model, self.tokenizer = model, tokenizer
@@ -216,14 +216,7 @@ class Trainer:
             model.requires_grad_(True)
             self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, weight_decay=config.weight_decay)
-        self.engine = MTPEngine(
-            model,
-            tokenizer,
-            model_id=model_id,
-            mask_token=mask_token,
-            mask_token_id=mask_token_id,
-            adapter=self.adapter,
-        )
+        self.engine = MTPEngine(loaded, adapter=self.adapter)
 
     # -- schedule / one step --------------------------------------------------------------------------------------
     def lr_at(self, step: int) -> float:

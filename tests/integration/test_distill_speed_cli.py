@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 
 from agent_mtp.cli import app
 from agent_mtp.engine import MTPEngine
-from agent_mtp.training.data import _encode
+from agent_mtp.engine.prompt import render_messages
 
 
 def _write_data(directory: Path, engine: MTPEngine) -> None:
@@ -24,7 +24,7 @@ def _write_data(directory: Path, engine: MTPEngine) -> None:
             ("Call the weather tool for Oslo.", '{"name": "get_weather", "arguments": {"city": "Oslo"}}'),
         ]
     ):
-        prompt_ids = _encode(tok, [{"role": "user", "content": question}])  # as the data builder encodes prompts
+        prompt_ids = render_messages(tok, [{"role": "user", "content": question}])  # as the data builder does
         response = tok(answer, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
         rows.append(
             {"id": f"t{i}", "source": "agent", "kind": "list", "split": "train", "prompt_ids": prompt_ids,

@@ -72,11 +72,7 @@ def test_verified_is_lossless_and_above_its_floor(default_engine) -> None:
     cost curve), so every pass verifies the whole MTP draft, as in the trainer's evaluation."""
     base = DecodeConfig(mode="ntp", k_max=K_MAX, max_new_tokens=48)
     _, ntp = pooled_tpf(default_engine, base)
-    default_engine.cost_aware = False
-    try:
-        tpf, verified = pooled_tpf(default_engine, base.replace(mode="verified", drafts=("mtp",)))
-    finally:
-        default_engine.cost_aware = True
+    tpf, verified = pooled_tpf(default_engine, base.replace(mode="verified", drafts=("mtp",), cost_aware=False))
     assert verified == ntp
     assert tpf >= VERIFIED_FLOOR
 
@@ -104,11 +100,7 @@ def test_committed_checkpoint_resumes(tmp_path: Path) -> None:
     )
     record = Record("r", "agent", "list", "train", [1, 2, 3], [4, 5, 6])
     trainer = Trainer(
-        lm.model,
-        lm.tokenizer,
-        model_id=lm.model_id,
-        mask_token=lm.mask_token,
-        mask_token_id=lm.mask_token_id,
+        lm,
         config=cfg,
         train=[record],
         heldout=[],

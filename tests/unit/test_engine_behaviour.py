@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from agent_mtp.engine import DecodeConfig, MTPEngine, load_adapter, new_adapter
-from agent_mtp.engine.cost import CostCurve, KChooser
+from agent_mtp.engine.cost import CostCurve
 from agent_mtp.engine.loading import ensure_mask_token, find_default_gguf
+from agent_mtp.engine.planner import AcceptanceRates, Planner
 from agent_mtp.errors import (
     AdapterError,
     ConfigError,
@@ -256,8 +257,14 @@ def test_k_max_auto_depends_on_cost_curve():
     steep = CostCurve(((1, 1.0), (2, 1.4), (4, 2.0), (8, 3.5), (16, 7.0)))
     flat = CostCurve.flat()
     rates = [0.5] * 15
-    k_steep = KChooser(steep, rates=list(rates), explore_every=0).choose(1)
-    k_flat = KChooser(flat, rates=list(rates), explore_every=0).choose(1)
+
+    def k_for(curve: CostCurve) -> int:
+        planner = Planner(
+            "confadapt", 16, auto_k=True, curve=curve, rates=AcceptanceRates(list(rates)), explore_every=0
+        )
+        return planner.plan(1, [], budget=100).masks + 1
+
+    k_steep, k_flat = k_for(steep), k_for(flat)
     assert k_flat == 16 and k_steep < k_flat
 
 

@@ -7,9 +7,16 @@ import torch
 from agent_mtp.engine.acceptance import confadapt_accept_length, expected_accepted, verify_greedy
 from agent_mtp.engine.cost import CostCurve
 from agent_mtp.engine.drafts import Draft, NgramDraftSource, choose_draft
-from agent_mtp.engine.planner import VerifyPlanner
+from agent_mtp.engine.planner import AcceptanceRates, Plan, Planner
 
 STEEP = CostCurve(((1, 1.0), (4, 1.5), (8, 1.9), (16, 2.1), (32, 2.5)))
+
+
+def verify_planner(curve: CostCurve, k_cap: int, rates: list[float] | None = None, ngram: float = 0.5) -> Planner:
+    positions = rates if rates is not None else [0.5] * (k_cap - 1)
+    return Planner(
+        "verified", k_cap, cost_aware=True, curve=curve, rates=AcceptanceRates(positions, ngram), explore_every=0
+    )
 
 
 def test_confadapt_rule():
@@ -41,36 +48,43 @@ def test_choose_draft_prefers_higher_score():
 
 
 def test_planner_skips_masks_when_drafts_rarely_pay_on_a_cpu_curve():
-    planner = VerifyPlanner(STEEP, k_cap=8, explore_every=0, mtp_rates=[0.05] * 7)
-    draft, masks = planner.plan(1, [], room=50)
-    assert draft is None and masks == 0
+    plan = verify_planner(STEEP, 8, [0.05] * 7).plan(1, [], budget=51)
+    assert plan.draft is None and plan.masks == 0
 
 
 def test_planner_uses_masks_when_they_pay():
-    planner = VerifyPlanner(STEEP, k_cap=8, explore_every=0, mtp_rates=[0.95] * 7)
-    _, masks = planner.plan(1, [], room=50)
-    assert masks >= 3
+    assert verify_planner(STEEP, 8, [0.95] * 7).plan(1, [], budget=51).masks >= 3
 
 
 def test_planner_takes_long_good_ngram_drafts_and_everything_on_a_flat_curve():
     ngram = Draft(tuple(range(10)), "ngram", 5.0)
-    planner = VerifyPlanner(STEEP, k_cap=8, explore_every=0, ngram_rate=0.9, mtp_rates=[0.05] * 7)
-    draft, _ = planner.plan(1, [ngram], room=50)
+    draft = verify_planner(STEEP, 8, [0.05] * 7, ngram=0.9).plan(1, [ngram], budget=51).draft
     assert draft is not None and len(draft.tokens) >= 5
-    flat = VerifyPlanner(CostCurve.flat(), k_cap=8, explore_every=0, mtp_rates=[0.3] * 7)
-    _, masks = flat.plan(1, [], room=50)
-    assert masks == 7
+    assert verify_planner(CostCurve.flat(), 8, [0.3] * 7).plan(1, [], budget=51).masks == 7
 
 
 def test_planner_learns_hit_rates():
-    planner = VerifyPlanner(STEEP, k_cap=4, explore_every=0)
+    planner = verify_planner(STEEP, 4)
     draft = Draft((1, 2, 3), "mtp", 1.0)
     for _ in range(20):
-        planner.observe(draft, 0)
-    assert planner.mtp_rates[0] < 0.1
+        planner.observe(Plan(draft, 0), 3, 0)
+    assert planner.rates.positions[0] < 0.1
     for _ in range(20):
-        planner.observe(Draft((1, 2), "ngram", 1.0), 2)
-    assert planner.ngram_rate > 0.9
+        planner.observe(Plan(Draft((1, 2), "ngram", 1.0), 0), 2, 2)
+    assert planner.rates.ngram > 0.9
+
+
+def test_one_planner_decides_k_for_every_mode():
+    from agent_mtp.engine.config import DecodeConfig
+
+    ntp = Planner.for_config(DecodeConfig(mode="ntp", k_max=8), None)
+    fixed = Planner.for_config(DecodeConfig(mode="confadapt", k_max=8), None)
+    uncosted = Planner.for_config(DecodeConfig(mode="verified", k_max=8, cost_aware=False), None)
+    ngram = Draft((1, 2, 3), "ngram", 2.0)
+    assert ntp.plan(5, [], budget=50) == Plan(None, 0)
+    assert fixed.plan(5, [], budget=50) == Plan(None, 7)
+    assert fixed.plan(5, [], budget=3) == Plan(None, 2)  # never past the budget
+    assert uncosted.plan(1, [Draft((4,), "mtp", 0.5), ngram], budget=50) == Plan(ngram, 7)
 
 
 def test_cost_curve_measurement_ignores_contention_spikes():

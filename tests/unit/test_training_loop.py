@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from agent_mtp.engine.cost import CostCurve
+from agent_mtp.engine.loading import LoadedModel
 from agent_mtp.errors import TrainingError
 from agent_mtp.training.data import Record, _greedy_batch
 from agent_mtp.training.evaluate import EvalPrompt, draft_tokens_per_forward, evaluate
@@ -28,6 +29,10 @@ def tiny_tokenizer() -> Any:
     tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=f"t{EOS}", pad_token="t0")
+
+
+def tiny_loaded(model: torch.nn.Module) -> LoadedModel:
+    return LoadedModel(model, tiny_tokenizer(), "tiny", f"t{MASK}", MASK, mask_token_added=False)
 
 
 def own_outputs(model: torch.nn.Module, n: int, length: int = 40, seed: int = 0) -> list[Record]:
@@ -59,11 +64,7 @@ def make_trainer(model: torch.nn.Module, records: list[Record], out: Path, **cha
     }
     cfg = TrainConfig(**{**settings, **changes})
     return Trainer(
-        model,
-        tiny_tokenizer(),
-        model_id="tiny",
-        mask_token="t63",
-        mask_token_id=MASK,
+        tiny_loaded(model),
         config=cfg,
         train=[r for r in records if r.split == "train"],
         heldout=[],
@@ -101,7 +102,6 @@ def test_a_few_steps_raise_tokens_per_forward_on_own_outputs(tmp_path: Path) -> 
     trainer.engine.set_cost_curve(CostCurve.flat())
     flat = evaluate(trainer.engine, prompts, k_max=4, max_new_tokens=16)
     assert steep == flat and steep["tpf_verified"] > 1.0
-    assert trainer.engine.cost_aware  # restored
 
 
 def test_checkpoint_and_resume_give_the_same_state(tmp_path: Path) -> None:
@@ -197,11 +197,7 @@ def test_real_pass_cache_trains_the_same_adapter_and_reports_its_reuse(tmp_path:
     records = own_outputs(tiny_model(seed=14), 8)
     plain = make_trainer(tiny_model(seed=14), records, tmp_path / "plain", real_pass_cache=False, log_every=3)
     cached = Trainer(
-        tiny_model(seed=14),
-        tiny_tokenizer(),
-        model_id="tiny",
-        mask_token="t63",
-        mask_token_id=MASK,
+        tiny_loaded(tiny_model(seed=14)),
         config=replace(plain.cfg, real_pass_cache=True),
         train=plain.train_records,
         heldout=[],
