@@ -16,6 +16,8 @@ from agent_mtp.engine.config import DecodeConfig
 from agent_mtp.engine.constraints import TokenConstraint
 from agent_mtp.engine.cost import CostCurve, load_or_measure, measure_cost_curve
 from agent_mtp.engine.decode import DecodeSetup, decode
+from agent_mtp.engine.fast import FastModel, FastRunner, unsupported_reason
+from agent_mtp.engine.fast.model import source_signature
 from agent_mtp.engine.loading import DEFAULT_MODEL_ALIASES, LoadedModel, cache_root, load_model
 from agent_mtp.engine.planner import Planner, needs_cost_curve
 from agent_mtp.engine.prompt import eos_token_ids, render_messages
@@ -29,6 +31,8 @@ log = logging.getLogger("agent_mtp.engine")
 Prompt = str | Sequence[Mapping[str, Any]] | Sequence[int]
 SHIPPED_ADAPTERS = Path(__file__).resolve().parent.parent / "adapters"
 DEFAULT_ADAPTER_DIR = SHIPPED_ADAPTERS / "smollm2-135m-instruct"
+Runtime = Literal["auto", "fast", "hf"]
+RUNTIMES: tuple[str, ...] = ("auto", "fast", "hf")
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
@@ -42,6 +46,12 @@ class MTPEngine:
     ``MTPEngine(loaded, adapter=...)`` wraps a model that is already loaded (a
     :class:`~agent_mtp.engine.loading.LoadedModel`: model, tokenizer, model id, mask token and its id).
 
+    ``runtime`` picks what runs the forward passes: ``"fast"`` is the package's own CPU forward
+    (:mod:`agent_mtp.engine.fast`: weights pre-packed once, a preallocated KV cache, logits only for the rows the
+    decoder reads) for Llama/Qwen2/Qwen3 models in float32 on the CPU; ``"hf"`` is the Hugging Face forward (any
+    causal LM, any device: the reference); ``"auto"`` (default) takes ``"fast"`` where it can run and ``"hf"``
+    elsewhere. :attr:`runtime` says which one runs.
+
     Thread-safe: generations on one engine are serialised by a lock (results equal sequential calls).
     """
 
@@ -51,6 +61,7 @@ class MTPEngine:
         *,
         adapter: MTPAdapter | None = None,
         cost_curve: CostCurve | None = None,
+        runtime: Runtime = "auto",
     ) -> None:
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
@@ -61,6 +72,9 @@ class MTPEngine:
         self._cost_curve = cost_curve
         self._lock = threading.RLock()
         self.eos_token_ids = frozenset(eos_token_ids(self.model, self.tokenizer))
+        self.runtime: str = _resolve_runtime(runtime, self.model)
+        """The runtime that runs forward passes: "fast" or "hf" (``runtime="auto"`` resolved)."""
+        self._fast: FastModel | None = None
 
     # -- construction -----------------------------------------------------------------------------------------
     @classmethod
@@ -74,10 +88,12 @@ class MTPEngine:
         revision: str | None = None,
         local_files_only: bool | None = None,
         check_adapter_base: bool = True,
+        runtime: Runtime = "auto",
     ) -> MTPEngine:
         """Load ``"default"`` (the embedded SmolLM2-135M-Instruct + its shipped MTP adapter), a hub id, or a local
         directory. ``adapter``: "auto" (the shipped adapter for the default model, or ``<dir>/mtp_adapter`` beside a
-        local model), a directory, or None for the bare model with an untrained mask token."""
+        local model), a directory, or None for the bare model with an untrained mask token. ``runtime``: "auto",
+        "fast" or "hf" (see the class docstring)."""
         torch_dtype = _dtype(dtype)
         loaded = load_model(
             name_or_path, dtype=torch_dtype, mask_token=mask_token, revision=revision, local_files_only=local_files_only
@@ -94,7 +110,7 @@ class MTPEngine:
                     f"model has {loaded.mask_token!r}."
                 )
                 raise AdapterError(msg + f" Pass mask_token={mtp_adapter.config.mask_token!r}.")
-        return cls(loaded, adapter=mtp_adapter)
+        return cls(loaded, adapter=mtp_adapter, runtime=runtime)
 
     # -- prompts ------------------------------------------------------------------------------------------------
     @property
@@ -165,7 +181,7 @@ class MTPEngine:
         curve = self.cost_curve if needs_cost_curve(cfg) else None
         setup = DecodeSetup(self.mask_token_id, self.eos_token_ids, Planner.for_config(cfg, curve))
         with self._lock:
-            runner: Runner = ReferenceRunner(self.model) if _reference else CachedRunner(self.model)
+            runner: Runner = ReferenceRunner(self.model) if _reference else self.new_runner()
             tracker = TextTracker(self.tokenizer, cfg.stop)
             yield from decode(runner, ids, cfg, setup, tracker, constraint=constraint)
 
@@ -187,6 +203,17 @@ class MTPEngine:
             last = chunk
         assert last is not None and last.stats is not None and last.finish_reason is not None
         return GenerationResult("".join(text), ids, last.finish_reason, last.stats)
+
+    def new_runner(self) -> Runner:
+        """A runner for one sequence on this engine's runtime (the fast model is prepared on first use, and again
+        whenever a weight it copied has changed in place, e.g. by training)."""
+        if self.runtime == "hf":
+            return CachedRunner(self.model)
+        with self._lock:
+            if self._fast is None or self._fast.signature != source_signature(self.model):
+                log.info("Preparing the fast runtime for %s", self.model_id)
+                self._fast = FastModel.from_hf(self.model, mask_token_id=self.mask_token_id)
+            return FastRunner(self._fast)
 
     def _fit_to_context(self, cfg: DecodeConfig, prompt_len: int) -> DecodeConfig:
         k = 64 if cfg.k_max == "auto" else int(cfg.k_max)
@@ -234,17 +261,18 @@ class MTPEngine:
         device = str(self.model.device).replace(":", "")
         slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", self.model_id)
         dtype = str(self.model.dtype).replace("torch.", "")
-        return cache_root() / "cost_curves" / f"{slug}-{device}-{dtype}-t{torch.get_num_threads()}.json"
+        name = f"{slug}-{device}-{dtype}-{self.runtime}-t{torch.get_num_threads()}.json"
+        return cache_root() / "cost_curves" / name
 
     def measure_cost_curve(self) -> CostCurve:
-        """Time forwards of 1..32 tokens on a cached 64-token prefix now and return the curve (relative to one
-        token). :attr:`cost_curve` measures once per machine and caches it on disk; call this to measure afresh
-        (then :meth:`set_cost_curve`)."""
+        """Time forwards of 1..32 tokens on a cached 64-token prefix on this engine's runtime now and return the
+        curve (relative to one token). :attr:`cost_curve` measures once per machine and caches it on disk; call
+        this to measure afresh (then :meth:`set_cost_curve`)."""
         log.info("Measuring the forward cost curve of %s", self.model_id)
         high = min(1000, self.mask_token_id)
         prefix = [int(t) for t in torch.randint(3, high, (64,), generator=torch.Generator().manual_seed(0))]
         with self._lock:
-            runner = CachedRunner(self.model)
+            runner = self.new_runner()
             runner.forward(prefix, 1)
 
             def forward_n(n: int) -> None:
@@ -252,6 +280,20 @@ class MTPEngine:
                 runner.drop(n)
 
             return measure_cost_curve(forward_n)
+
+
+def _resolve_runtime(runtime: str, model: Any) -> str:
+    if runtime not in RUNTIMES:
+        raise ConfigError(f"runtime={runtime!r} is not supported; use one of {', '.join(RUNTIMES)}.")
+    if runtime == "hf":
+        return "hf"
+    reason = unsupported_reason(model)
+    if reason is None:
+        return "fast"
+    if runtime == "fast":
+        raise ConfigError(f"runtime='fast' cannot run this model: {reason}. Use runtime='hf' (or 'auto').")
+    log.info("Using the Hugging Face runtime: the fast runtime cannot run %s", reason)
+    return "hf"
 
 
 def _dtype(dtype: str | torch.dtype) -> torch.dtype:

@@ -1,0 +1,311 @@
+"""A Llama-family decoder forward for the CPU, a handful of ops per layer, checked against the HF forward.
+
+Per layer (n new tokens, ``x`` [n, hidden])::
+
+    h = rms_norm(x);  qkv = W_qkv h  (+ adapter delta at mask rows)          # one packed GEMM  [n, q + 2 kv]
+    (q, k) *= rope[positions]                                             # one complex multiply, in place
+    cache[:, :, start:end] = (k, v);  x += W_o attend(q, cache[:end])         # one copy, 3 ops of attention
+    h = rms_norm(x);  x += W_down (silu(gate) * up)  where gate|up = W_gu h   # two packed GEMMs
+
+and logits are computed only for the last ``keep`` rows (the rows the decoder reads).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from agent_mtp.engine.fast.cache import KVCache
+from agent_mtp.engine.fast.weights import LowRank, PackedLinear, rope_pair_order, stack_low_rank
+
+SUPPORTED_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3"})
+SDPA_FROM_ROWS = 32
+"""Passes of at least this many new tokens (prefill) use SDPA; shorter ones three small batched GEMMs."""
+
+
+def unsupported_reason(model: Any) -> str | None:
+    """Why the fast runtime cannot run ``model`` (None when it can)."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return "the model has no config"
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        return f"model_type={model_type!r} (the fast runtime knows {sorted(SUPPORTED_MODEL_TYPES)})"
+    params = next(model.parameters())
+    if params.device.type != "cpu":
+        return f"the model is on {params.device} (the fast runtime is for the CPU)"
+    if params.dtype != torch.float32:
+        return f"dtype={params.dtype} (the fast runtime runs float32)"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"hidden_act={config.hidden_act!r} (only silu)"
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if isinstance(rope, dict) and rope.get("rope_type", rope.get("type", "default")) in {"dynamic", "longrope"}:
+        return f"rope_type={rope.get('rope_type', rope.get('type'))!r} (position-dependent scaling is not supported)"
+    layer_types = getattr(config, "layer_types", None) or []
+    if getattr(config, "use_sliding_window", False) or "sliding_attention" in layer_types:
+        return "sliding-window attention is not supported"
+    if getattr(config, "pretraining_tp", 1) not in (1, None):
+        return "pretraining_tp > 1 is not supported"
+    head_dim = _head_dim(config)
+    if head_dim % 2:
+        return f"head_dim={head_dim} is odd"
+    return None
+
+
+def _head_dim(config: Any) -> int:
+    return int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+
+
+@dataclass(frozen=True)
+class _Layer:
+    input_norm: torch.Tensor
+    qkv: PackedLinear
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    o: PackedLinear
+    post_norm: torch.Tensor
+    gate_up: PackedLinear
+    down: PackedLinear
+    lora_qkv: LowRank | None
+    lora_o: LowRank | None
+    lora_gate_up: LowRank | None
+    lora_down: LowRank | None
+
+
+LoRAFactors = tuple[torch.Tensor, torch.Tensor, float]
+
+
+def _linear_parts(module: Any) -> tuple[torch.Tensor, torch.Tensor | None, LoRAFactors | None]:
+    """(weight, bias, LoRA factors or None) of a plain or gated-LoRA linear."""
+    base = getattr(module, "base", module)
+    lora = None
+    if base is not module and getattr(module, "enabled", True):
+        lora = (module.lora_A, module.lora_B, float(module.scale))
+    bias = base.bias.detach() if base.bias is not None else None
+    return base.weight.detach(), bias, lora
+
+
+def _cat_bias(biases: Sequence[torch.Tensor | None], sizes: Sequence[int]) -> torch.Tensor | None:
+    if all(b is None for b in biases):
+        return None
+    return torch.cat([b if b is not None else torch.zeros(s) for b, s in zip(biases, sizes, strict=True)])
+
+
+def source_signature(model: Any) -> tuple[int, ...]:
+    """Changes whenever a weight the fast model copied is modified in place, or an adapter is (de)attached or
+    switched: a prepared model is reused only while this stays equal."""
+    adapter = getattr(model, "_agent_mtp_adapter", None)
+    versions = [p._version for p in model.parameters()]
+    if adapter is not None:
+        versions += [p._version for p in adapter.parameters()]
+        versions += [int(getattr(layer, "enabled", True)) for layer in adapter.lora.values()]
+    return (id(adapter), *versions)
+
+
+class FastModel:
+    """A prepared copy of a Llama/Qwen2/Qwen3 model (plus its gated MTP adapter) for the CPU.
+
+    Build once per process with :meth:`from_hf`; :meth:`forward` appends tokens to a :class:`KVCache` and returns
+    the logits of the last ``keep`` rows. Thread-safe for concurrent forwards on different caches."""
+
+    def __init__(self, model: Any, *, mask_token_id: int | None, prepack: bool = True) -> None:
+        reason = unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(f"The fast runtime cannot run this model: {reason}.")
+        config = model.config
+        self.signature = source_signature(model)
+        self.num_heads = int(config.num_attention_heads)
+        self.kv_heads = int(getattr(config, "num_key_value_heads", None) or self.num_heads)
+        self.head_dim = _head_dim(config)
+        self.groups = self.num_heads // self.kv_heads
+        self.q_dim = self.num_heads * self.head_dim
+        self.kv_dim = self.kv_heads * self.head_dim
+        self.eps = float(config.rms_norm_eps)
+        self.scale = 1.0 / math.sqrt(self.head_dim)
+        self.max_length = int(getattr(config, "max_position_embeddings", 2048))
+        self.mask_token_id = mask_token_id
+        decoder = model.model
+        self.embed = decoder.embed_tokens.weight.detach()
+        adapter = getattr(model, "_agent_mtp_adapter", None)
+        self.mask_embedding = adapter.mask_embedding.detach().float() if adapter is not None else None
+        order_q = rope_pair_order(self.num_heads, self.head_dim)
+        order_k = rope_pair_order(self.kv_heads, self.head_dim)
+        self.layers = [self._prepare_layer(layer, order_q, order_k, prepack) for layer in decoder.layers]
+        self.final_norm = decoder.norm.weight.detach()
+        self.lm_head = PackedLinear(model.get_output_embeddings().weight, prepack=prepack)
+        self._rotary = decoder.rotary_emb
+        self._rope = torch.empty(0, 1, self.head_dim // 2, dtype=torch.complex64)
+        self._rope_lock = threading.Lock()
+
+    @classmethod
+    def from_hf(cls, model: Any, *, mask_token_id: int | None, prepack: bool = True) -> FastModel:
+        with torch.no_grad():
+            return cls(model, mask_token_id=mask_token_id, prepack=prepack)
+
+    def new_cache(self, capacity: int = 256) -> KVCache:
+        return KVCache(len(self.layers), self.kv_heads, self.head_dim, max_length=self.max_length, capacity=capacity)
+
+    # -- preparation ----------------------------------------------------------------------------------------
+    def _prepare_layer(self, layer: Any, order_q: torch.Tensor, order_k: torch.Tensor, prepack: bool) -> _Layer:
+        attn, mlp = layer.self_attn, layer.mlp
+        (wq, bq, lq), (wk, bk, lk), (wv, bv, lv) = (_linear_parts(m) for m in (attn.q_proj, attn.k_proj, attn.v_proj))
+        wq, wk = wq[order_q], wk[order_k]
+        bq = bq[order_q] if bq is not None else None
+        bk = bk[order_k] if bk is not None else None
+        lq = (lq[0], lq[1][order_q], lq[2]) if lq is not None else None
+        lk = (lk[0], lk[1][order_k], lk[2]) if lk is not None else None
+        sizes = (self.q_dim, self.kv_dim, self.kv_dim)
+        wo, bo, lo = _linear_parts(attn.o_proj)
+        (wg, bg, lg), (wu, bu, lu) = (_linear_parts(m) for m in (mlp.gate_proj, mlp.up_proj))
+        wd, bd, ld = _linear_parts(mlp.down_proj)
+        inter = int(wg.shape[0])
+        q_norm = getattr(attn, "q_norm", None)
+        k_norm = getattr(attn, "k_norm", None)
+        half_order = rope_pair_order(1, self.head_dim)
+        return _Layer(
+            input_norm=layer.input_layernorm.weight.detach(),
+            qkv=PackedLinear(torch.cat([wq, wk, wv]), _cat_bias((bq, bk, bv), sizes), prepack=prepack),
+            q_norm=q_norm.weight.detach()[half_order] if q_norm is not None else None,
+            k_norm=k_norm.weight.detach()[half_order] if k_norm is not None else None,
+            o=PackedLinear(wo, bo, prepack=prepack),
+            post_norm=layer.post_attention_layernorm.weight.detach(),
+            gate_up=PackedLinear(torch.cat([wg, wu]), _cat_bias((bg, bu), (inter, inter)), prepack=prepack),
+            down=PackedLinear(wd, bd, prepack=prepack),
+            lora_qkv=stack_low_rank((lq, lk, lv), sizes),
+            lora_o=stack_low_rank((lo,), (int(wo.shape[0]),)),
+            lora_gate_up=stack_low_rank((lg, lu), (inter, inter)),
+            lora_down=stack_low_rank((ld,), (int(wd.shape[0]),)),
+        )
+
+    def _rope_rows(self, start: int, end: int) -> torch.Tensor:
+        """RoPE as unit complex numbers (times HF's attention scaling) for positions [start, end): [n, 1, d/2]."""
+        if end > self._rope.shape[0]:
+            with self._rope_lock:
+                if end > self._rope.shape[0]:
+                    size = min(max(end, 2 * self._rope.shape[0], 512), max(self.max_length, end))
+                    probe = torch.zeros(1, dtype=torch.float32)
+                    cos, sin = self._rotary(probe, torch.arange(size)[None])  # [1, size, d] each, halves repeated
+                    half = self.head_dim // 2
+                    self._rope = torch.complex(cos[0, :, :half].float(), sin[0, :, :half].float())[:, None, :]
+        return self._rope[start:end]
+
+    # -- the forward -----------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def forward(self, tokens: Sequence[int], cache: KVCache, keep: int) -> torch.Tensor:
+        """Append ``tokens`` at ``cache.length``; return fp32 logits of the last ``keep`` of them [keep, V]."""
+        n = len(tokens)
+        start, end = cache.length, cache.length + n
+        cache.reserve(n)
+        ids = torch.tensor(tokens, dtype=torch.long)  # [n]
+        x = F.embedding(ids, self.embed)  # [n, H]
+        rows = _mask_rows(tokens, self.mask_token_id)
+        if rows is not None and self.mask_embedding is not None:
+            x[rows] = self.mask_embedding
+        rope = self._rope_rows(start, end)
+        bias = self._attention_bias(n, start) if 1 < n < SDPA_FROM_ROWS else None
+        for layer, kv in zip(self.layers, cache.layers, strict=True):
+            self._layer(layer, kv, x, start, rope, bias, rows)
+        cache.length = end
+        h = F.rms_norm(x[n - keep :], (x.shape[-1],), self.final_norm, self.eps)
+        return self.lm_head(h)
+
+    def _layer(
+        self,
+        layer: _Layer,
+        kv: torch.Tensor,
+        x: torch.Tensor,
+        start: int,
+        rope: torch.Tensor,
+        bias: torch.Tensor | None,
+        rows: slice | torch.Tensor | None,
+    ) -> None:
+        n, hidden = x.shape
+        end = start + n
+        h = F.rms_norm(x, (hidden,), layer.input_norm, self.eps)
+        qkv = layer.qkv(h)  # [n, q + 2 kv]
+        if rows is not None and layer.lora_qkv is not None:
+            layer.lora_qkv.apply(qkv, h, rows)
+        if layer.q_norm is not None and layer.k_norm is not None:
+            self._qk_norm(qkv, layer.q_norm, layer.k_norm)
+        qk = qkv[:, : self.q_dim + self.kv_dim].view(n, self.num_heads + self.kv_heads, self.head_dim // 2, 2)
+        torch.view_as_complex(qk).mul_(rope)
+        kv[:, :, start:end] = qkv[:, self.q_dim :].view(n, 2, self.kv_heads, self.head_dim).permute(1, 2, 0, 3)
+        attended = self._attend(qkv[:, : self.q_dim], kv[:, :, :end], start, bias)  # [n, q]
+        out = layer.o(attended)
+        if rows is not None and layer.lora_o is not None:
+            layer.lora_o.apply(out, attended, rows)
+        x.add_(out)
+        h = F.rms_norm(x, (hidden,), layer.post_norm, self.eps)
+        gate_up = layer.gate_up(h)  # [n, 2 I]
+        if rows is not None and layer.lora_gate_up is not None:
+            layer.lora_gate_up.apply(gate_up, h, rows)
+        inter = gate_up.shape[1] // 2
+        act = F.silu(gate_up[:, :inter])
+        act.mul_(gate_up[:, inter:])
+        down = layer.down(act)
+        if rows is not None and layer.lora_down is not None:
+            layer.lora_down.apply(down, act, rows)
+        x.add_(down)
+
+    def _qk_norm(self, qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor) -> None:
+        n, d = qkv.shape[0], self.head_dim
+        q = qkv[:, : self.q_dim].view(n, self.num_heads, d)
+        k = qkv[:, self.q_dim : self.q_dim + self.kv_dim].view(n, self.kv_heads, d)
+        q.copy_(F.rms_norm(q, (d,), q_norm, self.eps))
+        k.copy_(F.rms_norm(k, (d,), k_norm, self.eps))
+
+    def _attention_bias(self, n: int, start: int) -> torch.Tensor:
+        """Additive causal bias [groups * n, start + n] for a short multi-token pass (rows ordered group-major)."""
+        keys = torch.arange(start + n)
+        queries = start + torch.arange(n)
+        bias = torch.zeros(n, start + n).masked_fill_(keys[None, :] > queries[:, None], float("-inf"))
+        return bias.repeat(self.groups, 1)
+
+    def _attend(self, q: torch.Tensor, kv: torch.Tensor, start: int, bias: torch.Tensor | None) -> torch.Tensor:
+        """q [n, heads * d] against the cached keys/values kv [2, kv_heads, end, d] -> [n, heads * d]."""
+        n, d, g = q.shape[0], self.head_dim, self.groups
+        if n >= SDPA_FROM_ROWS:
+            return self._attend_sdpa(q, kv, start)
+        if n == 1:
+            qg = q.view(self.kv_heads, g, d)  # [kvh, g, d]
+        else:
+            qg = q.view(n, self.kv_heads, g, d).permute(1, 2, 0, 3).reshape(self.kv_heads, g * n, d)
+        keys, values = kv[0], kv[1]  # [kvh, end, d]
+        if bias is None:
+            scores = torch.bmm(qg, keys.transpose(1, 2)).mul_(self.scale)  # [kvh, g n, end]
+        else:
+            scores = torch.baddbmm(bias, qg, keys.transpose(1, 2), alpha=self.scale)
+        probs = torch.softmax(scores, dim=-1)
+        out = torch.bmm(probs, values)  # [kvh, g n, d]
+        if n == 1:
+            return out.view(1, self.q_dim)
+        return out.view(self.kv_heads, g, n, d).permute(2, 0, 1, 3).reshape(n, self.q_dim)
+
+    def _attend_sdpa(self, q: torch.Tensor, kv: torch.Tensor, start: int) -> torch.Tensor:
+        n, d = q.shape[0], self.head_dim
+        q4 = q.view(n, self.num_heads, d).transpose(0, 1)[None]  # [1, h, n, d]
+        keys, values = kv[0][None], kv[1][None]  # [1, kvh, end, d]
+        if start == 0:
+            out = F.scaled_dot_product_attention(q4, keys, values, is_causal=True, enable_gqa=True)
+        else:
+            allowed = torch.arange(start + n)[None, :] <= (start + torch.arange(n))[:, None]  # [n, end]
+            out = F.scaled_dot_product_attention(q4, keys, values, attn_mask=allowed, enable_gqa=True)
+        return out[0].transpose(0, 1).reshape(n, self.q_dim)
+
+
+def _mask_rows(tokens: Sequence[int], mask_token_id: int | None) -> slice | torch.Tensor | None:
+    """Rows holding the mask token: a slice when they are contiguous (the decode loop's tail), else indices."""
+    if mask_token_id is None:
+        return None
+    positions = [i for i, t in enumerate(tokens) if t == mask_token_id]
+    if not positions:
+        return None
+    if positions[-1] - positions[0] + 1 == len(positions):
+        return slice(positions[0], positions[-1] + 1)
+    return torch.tensor(positions, dtype=torch.long)

@@ -1,0 +1,196 @@
+"""The fast CPU runtime against its reference, the Hugging Face forward: logits close, greedy sequences equal."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+import torch
+
+from agent_mtp.engine import DecodeConfig, MTPEngine, new_adapter
+from agent_mtp.engine.fast import FastModel, FastRunner, unsupported_reason
+from agent_mtp.engine.fast.cache import KVCache
+from agent_mtp.engine.loading import LoadedModel, ensure_mask_token
+from agent_mtp.engine.runner import CachedRunner
+from agent_mtp.errors import ConfigError
+from tests.tiny import tiny_engine, tiny_tokenizer
+
+ATOL = 1e-4
+
+
+def _family_model(family: str, vocab: int, seed: int = 0) -> Any:
+    import transformers
+
+    common: dict[str, Any] = {
+        "vocab_size": vocab,
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 256,
+        "tie_word_embeddings": family != "qwen2",
+        "eos_token_id": 2,
+        "initializer_range": 0.2,
+    }
+    classes = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {"attention_bias": True}),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {"head_dim": 32}),
+    }
+    config_cls, model_cls, extra = classes[family]
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**common, **extra)).eval()
+    model.requires_grad_(False)
+    with torch.no_grad():  # random biases and norm weights, so every fused/reordered part is exercised
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.copy_(torch.randn(p.shape) * 0.3 + (1.0 if "norm" in name else 0.0))
+    return model
+
+
+def _engine(family: str, *, adapter: bool) -> MTPEngine:
+    tok = tiny_tokenizer()
+    model = _family_model(family, len(tok))
+    mask, mask_id, _ = ensure_mask_token(model, tok, None)
+    mtp = None
+    if adapter:
+        mtp = new_adapter(model, base_model="tiny", mask_token=mask, mask_token_id=mask_id, rank=4)
+        gen = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for p in mtp.trainable_parameters():
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+        mtp.requires_grad_(False)
+    loaded = LoadedModel(model, tok, "tiny-" + family, mask, mask_id, False)
+    return MTPEngine(loaded, adapter=mtp)
+
+
+FAMILIES = ["llama", "qwen2", "qwen3"]
+
+
+@pytest.fixture(scope="module", params=[(f, a) for f in FAMILIES for a in (False, True)], ids=str)
+def engine(request: pytest.FixtureRequest) -> MTPEngine:
+    family, adapter = request.param
+    return _engine(family, adapter=adapter)
+
+
+def _random_ids(n: int, seed: int, vocab: int = 300) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, vocab) for _ in range(n)]
+
+
+def test_auto_picks_fast_for_supported_families(engine: MTPEngine) -> None:
+    assert engine.runtime == "fast"
+    assert isinstance(engine.new_runner(), FastRunner)
+
+
+def test_logits_close_to_hf_across_passes_and_rollbacks(engine: MTPEngine) -> None:
+    """Prefill, one-token passes, passes with masks (adapter rows), rollbacks: every row close to the HF forward."""
+    m = engine.mask_token_id
+    fast, ref = engine.new_runner(), CachedRunner(engine.model)
+    steps: list[tuple[list[int], int, int]] = [  # (tokens, keep, drop afterwards)
+        (_random_ids(40, 0), 40, 0),
+        ([7], 1, 0),
+        ([8, 9, m, m, m], 5, 3),
+        ([10, m, m], 3, 2),
+        (_random_ids(6, 1) + [m] * 4, 10, 7),
+        ([11], 1, 0),
+    ]
+    for tokens, keep, drop in steps:
+        a, b = ref.forward(tokens, keep), fast.forward(tokens, keep)
+        assert a.shape == b.shape
+        torch.testing.assert_close(b, a, atol=ATOL, rtol=1e-4)
+        ref.drop(drop)
+        fast.drop(drop)
+        assert fast.length == ref.length
+
+
+def test_mask_rows_anywhere(engine: MTPEngine) -> None:
+    """Mask rows that are not a contiguous tail (index path of the adapter delta) match HF too."""
+    m = engine.mask_token_id
+    tokens = [5, m, 6, 7, m, m, 8]
+    a = CachedRunner(engine.model).forward(tokens, len(tokens))
+    b = engine.new_runner().forward(tokens, len(tokens))
+    torch.testing.assert_close(b, a, atol=ATOL, rtol=1e-4)
+
+
+def test_long_prefill_uses_sdpa_path_and_matches(engine: MTPEngine) -> None:
+    fast, ref = engine.new_runner(), CachedRunner(engine.model)
+    ids = _random_ids(100, 3)
+    torch.testing.assert_close(fast.forward(ids[:60], 60), ref.forward(ids[:60], 60), atol=ATOL, rtol=1e-4)
+    # a second long pass on a cached prefix: the SDPA path with an explicit causal mask
+    torch.testing.assert_close(fast.forward(ids[60:], 40), ref.forward(ids[60:], 40), atol=ATOL, rtol=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["ntp", "verified"])
+def test_greedy_equals_hf_runtime(engine: MTPEngine, mode: str) -> None:
+    hf = MTPEngine(_loaded(engine), adapter=engine.adapter, runtime="hf")
+    assert hf.runtime == "hf"
+    for seed in range(4):
+        prompt = _random_ids(5 + 7 * seed, seed)
+        cfg = DecodeConfig(mode="ntp", max_new_tokens=30)
+        expected = hf.generate(prompt, cfg).token_ids
+        got = engine.generate(prompt, cfg.replace(mode=mode, k_max=4)).token_ids
+        assert got == expected, (seed, mode)
+
+
+def test_adapter_changes_mask_rows_only(engine: MTPEngine) -> None:
+    if engine.adapter is None:
+        pytest.skip("needs an adapter")
+    m = engine.mask_token_id
+    tokens = [*_random_ids(10, 9), m, m]
+    with_adapter = engine.new_runner().forward(tokens, 3)
+    with engine.adapter.disabled():
+        without = engine.new_runner().forward(tokens, 3)  # prepared again: the adapter's switch changed
+    torch.testing.assert_close(with_adapter[0], without[0])
+    assert (with_adapter[1:] - without[1:]).abs().max() > 1e-2
+
+
+def test_prepared_weights_follow_in_place_updates() -> None:
+    """Training updates weights in place; the engine prepares the fast model again instead of serving stale ones."""
+    engine = tiny_engine(adapter=True)
+    m = engine.mask_token_id
+    tokens = [5, 6, 7, m, m]
+    before = engine.new_runner().forward(tokens, 3)
+    assert engine.adapter is not None
+    with torch.no_grad():
+        next(iter(engine.adapter.layers().values())).lora_B.add_(0.5)
+    after = engine.new_runner().forward(tokens, 3)
+    reference = CachedRunner(engine.model).forward(tokens, 3)
+    torch.testing.assert_close(after, reference, atol=ATOL, rtol=1e-4)
+    assert (after - before).abs().max() > 1e-3
+
+
+def test_cache_grows_and_truncates() -> None:
+    cache = KVCache(2, 2, 4, max_length=40, capacity=4)
+    cache.layers[0][:, :, :3] = 1.0
+    cache.length = 3
+    cache.reserve(10)
+    assert cache.capacity == 16 and cache.layers[0][:, :, :3].eq(1.0).all()
+    cache.reserve(37)
+    assert cache.capacity == 40
+    with pytest.raises(ValueError, match="context window is 40"):
+        cache.reserve(38)
+    cache.truncate(1)
+    assert cache.length == 1
+    with pytest.raises(ValueError):
+        cache.truncate(2)
+
+
+def test_runtime_choice_is_validated() -> None:
+    engine = tiny_engine()
+    with pytest.raises(ConfigError, match="runtime='turbo'"):
+        MTPEngine(_loaded(engine), runtime="turbo")  # type: ignore[arg-type]
+    bf16 = tiny_engine()
+    bf16.model.to(torch.bfloat16)
+    assert unsupported_reason(bf16.model) is not None
+    assert MTPEngine(_loaded(bf16), runtime="auto").runtime == "hf"
+    with pytest.raises(ConfigError, match="runtime='fast' cannot run"):
+        MTPEngine(_loaded(bf16), runtime="fast")
+    with pytest.raises(ValueError, match="cannot run"):
+        FastModel.from_hf(bf16.model, mask_token_id=None)
+
+
+def _loaded(engine: MTPEngine) -> LoadedModel:
+    return LoadedModel(engine.model, engine.tokenizer, engine.model_id, engine.mask_token, engine.mask_token_id, False)
