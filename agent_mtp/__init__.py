@@ -12,13 +12,13 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
-    from agent_mtp.chat_model import AgentMTPChat
     from agent_mtp.engine import DecodeConfig, GenerationResult, MTPEngine
+    from agent_mtp.langchain import AgentMTPChat
 
 __all__ = ["AgentMTPChat", "DecodeConfig", "GenerationResult", "MTPEngine", "__version__"]
 
 _LAZY = {
-    "AgentMTPChat": "agent_mtp.chat_model",
+    "AgentMTPChat": "agent_mtp.langchain",
     "DecodeConfig": "agent_mtp.engine",
     "GenerationResult": "agent_mtp.engine",
     "MTPEngine": "agent_mtp.engine",

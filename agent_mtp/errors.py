@@ -69,9 +69,13 @@ class GrammarError(AgentMTPError):
 
 
 class DeadlineExceededError(AgentMTPError):
-    """A deadline passed before any output could be produced. Safe to retry."""
+    """A deadline passed before the output was complete (``partial_text``: what was written). Safe to retry."""
 
     is_retryable = True
+
+    def __init__(self, message: str = "", *, partial_text: str = "") -> None:
+        super().__init__(message)
+        self.partial_text = partial_text
 
 
 class QualityError(AgentMTPError):

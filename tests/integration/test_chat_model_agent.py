@@ -12,9 +12,10 @@ from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
 from langchain_core.tools import tool
 
 from agent_mtp import AgentMTPChat
-from agent_mtp.chat_model import render_prompt, shared_engine
 from agent_mtp.engine import DecodeConfig
 from agent_mtp.engine.grammar import compile_for_engine
+from agent_mtp.langchain.messages import render_prompt
+from agent_mtp.service import shared_engine
 from agent_mtp.tools import parse_tool_calls, tool_call_grammar, tool_specs, tools_system_block
 
 pytestmark = pytest.mark.integration

@@ -12,9 +12,9 @@ import typer
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
 from typer.testing import CliRunner
 
-from agent_mtp.chat_model import AgentMTPChat
 from agent_mtp.engine import MTPEngine
 from agent_mtp.events import InterventionEvent, MemoryRecorder, StepEvent
+from agent_mtp.langchain import AgentMTPChat
 from agent_mtp.telemetry import Telemetry, TelemetryConfig
 from agent_mtp.telemetry.cli import register
 from tests.fixtures.redis_server import RedisServer

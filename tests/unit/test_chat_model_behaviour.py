@@ -14,9 +14,9 @@ from pydantic import BaseModel, Field, ValidationError
 from typing_extensions import TypedDict
 
 from agent_mtp import AgentMTPChat
-from agent_mtp.chat_model import MTPContextOverflowError, MTPInvalidRequestError, MTPTimeoutError
 from agent_mtp.errors import ConfigError, DeadlineExceededError, PromptTooLongError
 from agent_mtp.events import MemoryRecorder, StepEvent
+from agent_mtp.langchain import MTPContextOverflowError, MTPInvalidRequestError, MTPTimeoutError
 from tests.unit.test_chat_model_helpers import shared_tiny_engine
 
 

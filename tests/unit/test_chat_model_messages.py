@@ -13,7 +13,8 @@ from langchain_core.messages import (
 )
 
 from agent_mtp import AgentMTPChat
-from agent_mtp.chat_model import MTPInvalidRequestError, render_prompt
+from agent_mtp.langchain import MTPInvalidRequestError
+from agent_mtp.langchain.messages import render_prompt
 from tests.unit.test_chat_model_helpers import real_tokenizer, shared_tiny_engine
 
 STRICT_TEMPLATE = (

@@ -30,11 +30,11 @@ class TestAgentMTPChatStandard(ChatModelUnitTests):
 
 def test_all_is_pinned() -> None:
     import agent_mtp
-    import agent_mtp.chat_model
+    import agent_mtp.langchain
 
     assert "AgentMTPChat" in agent_mtp.__all__
     assert agent_mtp.AgentMTPChat is AgentMTPChat
-    assert agent_mtp.chat_model.__all__ == [
+    assert agent_mtp.langchain.__all__ == [
         "AgentMTPChat",
         "MTPContextOverflowError",
         "MTPInvalidRequestError",

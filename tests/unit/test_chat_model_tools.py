@@ -9,8 +9,8 @@ from langchain_core.messages import AIMessageChunk
 from langchain_core.tools import tool
 from pydantic import BaseModel, Field
 
-from agent_mtp.chat_model import _as_openai_tool
 from agent_mtp.errors import ConfigError
+from agent_mtp.langchain.tools import as_openai_tool
 from agent_mtp.tools import (
     ToolCallStream,
     ToolSpec,
@@ -46,7 +46,7 @@ class Customer(BaseModel):
     tags: list[str] = Field(default_factory=list)
 
 
-SPECS = tool_specs([_as_openai_tool(get_weather), _as_openai_tool(Customer)])
+SPECS = tool_specs([as_openai_tool(get_weather), as_openai_tool(Customer)])
 
 
 def block(payload: object) -> str:
@@ -63,7 +63,7 @@ def test_specs_from_langchain_tools_and_pydantic():
 
 def test_duplicate_tool_names_are_rejected():
     with pytest.raises(ConfigError, match="unique"):
-        tool_specs([_as_openai_tool(get_weather), _as_openai_tool(get_weather)])
+        tool_specs([as_openai_tool(get_weather), as_openai_tool(get_weather)])
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,584 @@
+"""The service: one request path from messages to a result, used by every front end (the LangChain chat model, the
+server).
+
+    service = Service(engine, recorder=recorder)            # one per engine + telemetry sink (see shared_service)
+    result = service.generate(Request(messages=[{"role": "user", "content": "hi"}], policy="default"))
+    result.text, result.tool_calls, result.finish_reason, result.stats, result.policy, result.usage
+    for delta in service.stream(request): ...                # one delta per forward pass, the last has .result
+    await service.agenerate(request); async for delta in service.astream(request): ...
+
+A request names its messages, tools, tool choice, response format, limits (max tokens, stop strings, deadline,
+sampling), a policy and an optional step-type hint. The policy controller runs every request: ``policy=None`` is
+the trivial policy (``Request.decode``, one fixed :class:`DecodeConfig`, no monitors, no retries, no breaker), not a
+second code path, so every step, streamed or not, with or without a policy, yields exactly one
+:class:`~agent_mtp.events.StepEvent`, recorded by the controller.
+
+Errors are :mod:`agent_mtp.errors` types; front ends map them to their own (LangChain's, HTTP statuses).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import dataclasses
+import json
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, InstanceOf, SkipValidation
+
+from agent_mtp.engine import DecodeConfig, DecodeStats, GenerationResult, MTPEngine
+from agent_mtp.engine.grammar import CompiledGrammar, GrammarSpec, compile_for_engine
+from agent_mtp.engine.loading import DEFAULT_MODEL_ALIASES
+from agent_mtp.engine.prompt import render_messages
+from agent_mtp.errors import ConfigError, DeadlineExceededError, EmptyPromptError
+from agent_mtp.events import Recorder
+from agent_mtp.policy import (
+    MonitorVerdict,
+    Policy,
+    PolicyController,
+    PolicyResult,
+    StepContext,
+    StepPlan,
+    json_validator,
+    load_policy,
+    resolve_policy_path,
+)
+from agent_mtp.policy.schema import (
+    ClassificationSettings,
+    FallbackSettings,
+    MonitorSettings,
+    RetrySettings,
+    StepSettings,
+)
+from agent_mtp.tools import (
+    ToolCallStream,
+    ToolSpec,
+    normalize_tool_choice,
+    parse_tool_calls,
+    tool_call_grammar,
+    tool_specs,
+    tools_system_block,
+    validation_errors,
+)
+
+__all__ = [
+    "FIXED_POLICY",
+    "Delta",
+    "Limits",
+    "Request",
+    "Result",
+    "Service",
+    "Usage",
+    "check_policy",
+    "prompt_ids",
+    "shared_engine",
+    "shared_service",
+]
+
+DEFAULT_MAX_TOKENS = 256
+PolicyLike = str | Path | Policy | Mapping[str, Any]
+
+
+def _fixed_policy() -> Policy:
+    off = {"enabled": False}
+    monitors = MonitorSettings.model_validate(
+        {"validity": off, "repetition": off, "ntp_agreement": off, "likelihood": off}
+    )
+    settings = StepSettings(
+        retries=RetrySettings(attempts=1, escalate=[]), monitors=monitors, fallback=FallbackSettings(enabled=False)
+    )
+    return Policy(
+        name="fixed",
+        description="The trivial policy: the request's own DecodeConfig, no monitors, no retries, no breaker.",
+        defaults=settings,
+        steps={"unclassified": StepSettings()},
+        classification=ClassificationSettings(rules=[], default="unclassified"),
+    )
+
+
+FIXED_POLICY = _fixed_policy()
+"""What ``policy=None`` runs: one step type (``unclassified`` unless the request names one), nothing checked."""
+
+
+# ------------------------------------------------------------------------------------------------ request
+@dataclass(frozen=True)
+class Limits:
+    """Request-level settings applied on top of the policy's (or the fixed) decode settings; checked at
+    construction (:class:`~agent_mtp.errors.ConfigError` names the bad value)."""
+
+    max_tokens: int | None = None
+    """Most tokens to generate (None: the policy's limit, or the fixed config's)."""
+    stop: tuple[str, ...] = ()
+    """Stop strings, added to the config's own."""
+    timeout: float | None = None
+    """Deadline in seconds (the tighter of this and the config's ``max_time``)."""
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        self.apply(DecodeConfig())
+
+    def apply(self, config: DecodeConfig) -> DecodeConfig:
+        changes: dict[str, Any] = {"temperature": self.temperature, "top_p": self.top_p, "seed": self.seed}
+        if self.stop:
+            changes["stop"] = tuple(dict.fromkeys([*config.stop, *self.stop]))
+        if self.max_tokens is not None:
+            changes["max_new_tokens"] = self.max_tokens
+        if self.timeout is not None:
+            changes["max_time"] = min(self.timeout, config.max_time) if config.max_time else self.timeout
+        return config.replace(**changes)
+
+
+class Request(BaseModel):
+    """One step of an agent: what to answer and under which rules."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True)
+
+    messages: tuple[Mapping[str, Any], ...]
+    """``{"role": system|user|assistant|tool, "content": str}``; rendered by the engine's one renderer."""
+    tools: tuple[Mapping[str, Any], ...] = ()
+    """OpenAI-format tools (``{"type": "function", "function": {...}}``)."""
+    tool_choice: str | None = None
+    """None/"auto", "any", "none" or a tool name (see :func:`agent_mtp.tools.normalize_tool_choice`)."""
+    parallel_tool_calls: bool = False
+    response_format: Mapping[str, Any] | None = None
+    """OpenAI-style (``json_schema`` / ``json_object`` / ``text``) or a bare JSON schema."""
+    structured_output: bool = False
+    """The caller parses the answer into a schema (a hint for the policy's step classification)."""
+    limits: InstanceOf[Limits] = Limits()
+    policy: Annotated[PolicyLike | None, SkipValidation] = "default"
+    """A shipped name, a YAML path, a Policy or a mapping (kept as given: controllers are shared per policy
+    object); None: the trivial policy with ``decode``."""
+    decode: InstanceOf[DecodeConfig] = Field(default_factory=lambda: DecodeConfig(max_new_tokens=DEFAULT_MAX_TOKENS))
+    """Decode settings of the trivial policy (only read when ``policy`` is None)."""
+    step_type: str | None = None
+    """Explicit step type (wins over the policy's classification rules)."""
+    run_id: str | None = None
+    """Carried into the StepEvent."""
+    jump_forward: bool = True
+    """Append grammar-forced tokens without a forward pass."""
+    on_timeout: Literal["raise", "return"] = "raise"
+    """raise: a deadline raises DeadlineExceededError; return: the partial output, finish_reason "timeout"."""
+
+
+# ------------------------------------------------------------------------------------------------ result
+@dataclass(frozen=True)
+class Usage:
+    input_tokens: int
+    output_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.input_tokens + self.output_tokens
+
+
+@dataclass(frozen=True)
+class Result:
+    """What a step produced."""
+
+    text: str
+    """Everything the model wrote (tool-call blocks included)."""
+    content: str
+    """The text outside tool calls (equal to ``text`` without tools)."""
+    tool_calls: list[Any]
+    """Complete, valid calls: ``{"name", "args", "id", "type": "tool_call"}``."""
+    invalid_tool_calls: list[Any]
+    finish_reason: str
+    """stop, length, timeout, or tool_calls (stopped after a call)."""
+    generation: GenerationResult
+    usage: Usage
+    model: str
+    policy: dict[str, Any] | None
+    """The policy's decision (step type, mode, attempts, monitors, ...); None for the trivial policy."""
+    event: Any = None
+    """The StepEvent recorded for the step."""
+
+    @property
+    def stats(self) -> DecodeStats:
+        return self.generation.stats
+
+
+@dataclass(frozen=True)
+class Delta:
+    """One forward pass of a stream: new content and complete tool-call chunks; the last carries ``result``."""
+
+    content: str
+    tool_call_chunks: list[Any]
+    token_ids: tuple[int, ...]
+    usage: Usage
+    """Input tokens on the first delta only; output tokens of this delta."""
+    finish_reason: str | None = None
+    result: Result | None = None
+
+
+# ------------------------------------------------------------------------------------------------ the service
+@dataclass
+class _Prepared:
+    request: Request
+    prompt_ids: list[int]
+    specs: list[ToolSpec]
+    grammar: CompiledGrammar | None
+    validators: tuple[Callable[[str], Any], ...]
+    context: StepContext
+
+
+class Service:
+    """The request path over one engine; thread-safe (the engine serialises generations)."""
+
+    def __init__(self, engine: MTPEngine, *, recorder: Recorder | None = None, breaker_store: str | None = None):
+        self.engine = engine
+        self.recorder = recorder
+        self.breaker_store = breaker_store
+        self._controllers: dict[Any, tuple[Any, PolicyController]] = {}
+        self._lock = threading.Lock()
+
+    # -- public ---------------------------------------------------------------------------------------------------
+    def generate(self, request: Request) -> Result:
+        """Run one step (with the policy's retries and monitors) and return its result."""
+        call = self._prepare(request)
+        controller, plan = self._plan(call)
+        outcome = controller.execute(
+            plan,
+            call.prompt_ids,
+            constraint_factory=call.grammar.constraint if call.grammar is not None else None,
+            validators=call.validators,
+        )
+        _check_timeout(request, outcome.result)
+        return self._result(call, outcome, self._parse(call, outcome.result.text))
+
+    def stream(self, request: Request, *, cancel: threading.Event | None = None) -> Iterator[Delta]:
+        """One :class:`Delta` per forward pass (decoded with the plan's first attempt: no retries once text was
+        shown); the policy then observes the output (monitors, breaker, the one event). Setting ``cancel`` stops
+        the stream at the next pass (no event: the step did not finish)."""
+        call = self._prepare(request)
+        controller, plan = self._plan(call)
+        constraint = call.grammar.constraint() if call.grammar is not None else None
+        parser = ToolCallStream(call.specs) if call.specs else None
+        text: list[str] = []
+        ids: list[int] = []
+        first, tool_calls = True, 0
+        for piece in self.engine.stream(call.prompt_ids, plan.config, constraint=constraint):
+            if cancel is not None and cancel.is_set():
+                return
+            text.append(piece.text)
+            ids += piece.token_ids
+            if first and piece.finish_reason == "timeout":
+                assert piece.stats is not None
+                _check_timeout(request, GenerationResult("".join(text), ids, "timeout", piece.stats))
+            delta = parser.feed(piece.text) if parser else None
+            content = delta.content if delta else piece.text
+            chunks = list(delta.tool_call_chunks) if delta else []
+            usage = Usage(len(call.prompt_ids) if first else 0, len(piece.token_ids))
+            first = False
+            if piece.finish_reason is None:
+                tool_calls += len(chunks)
+                yield Delta(content, chunks, tuple(piece.token_ids), usage)
+                continue
+            if parser is not None:
+                tail = parser.finish()
+                content += tail.content
+                chunks += tail.tool_call_chunks
+            tool_calls += len(chunks)
+            assert piece.stats is not None
+            generation = GenerationResult("".join(text), ids, piece.finish_reason, piece.stats)
+            outcome = controller.observe(plan, generation, prompt=call.prompt_ids, validators=call.validators)
+            result = self._result(call, outcome, self._parse(call, generation.text), streamed_calls=tool_calls)
+            yield Delta(content, chunks, tuple(piece.token_ids), usage, result.finish_reason, result)
+            return
+
+    async def agenerate(self, request: Request) -> Result:
+        """:meth:`generate` in a worker thread (the event loop never blocks)."""
+        return await asyncio.to_thread(self.generate, request)
+
+    async def astream(self, request: Request) -> AsyncIterator[Delta]:
+        """:meth:`stream` driven by one worker thread per stream; deltas arrive through a queue, the event loop
+        never blocks, and leaving early cancels the decode at its next pass."""
+        cancel = threading.Event()
+        async for delta in _iterate_in_thread(self.stream(request, cancel=cancel), cancel):
+            yield delta
+
+    def prompt_ids(self, request: Request) -> list[int]:
+        """The token ids the model reads for ``request`` (tool block and answer-format instruction included)."""
+        return prompt_ids(self.engine.tokenizer, request)
+
+    # -- internals ------------------------------------------------------------------------------------------------
+    def _prepare(self, request: Request) -> _Prepared:
+        ids = prompt_ids(self.engine.tokenizer, request)
+        answer_schema, json_answer = answer_format(request.response_format)
+        specs = tool_specs(list(request.tools))
+        choice = normalize_tool_choice(request.tool_choice, [s.name for s in specs]) if specs else None
+        use_tools = bool(specs) and choice != "none"
+        spec = _grammar_spec(specs, choice, request.parallel_tool_calls, answer_schema, json_answer, use_tools)
+        grammar = compile_for_engine(self.engine, spec, jump_forward=request.jump_forward) if spec else None
+        context = StepContext(
+            step_type=request.step_type,
+            tools_bound=use_tools,
+            tool_choice=choice,
+            structured_output=bool(request.structured_output or json_answer),
+            last_role=str(request.messages[-1]["role"]),
+            num_messages=len(request.messages),
+            tool_names=tuple(s.name for s in specs) if use_tools else (),
+            run_id=request.run_id,
+        )
+        validators = _validators(specs if use_tools else [], choice, answer_schema, json_answer)
+        return _Prepared(request, ids, specs if use_tools else [], grammar, validators, context)
+
+    def _plan(self, call: _Prepared) -> tuple[PolicyController, StepPlan]:
+        request = call.request
+        controller = self._controller(request.policy)
+        plan = controller.plan(call.context)
+        if request.policy is None:  # the trivial policy decodes with the request's own settings
+            config = request.limits.apply(request.decode)
+            return controller, dataclasses.replace(plan, policy_config=config, configs=(config,))
+        limits = request.limits
+        configs = tuple(limits.apply(c) for c in plan.configs)
+        return controller, dataclasses.replace(plan, configs=configs, policy_config=limits.apply(plan.policy_config))
+
+    def _controller(self, policy: PolicyLike | None) -> PolicyController:
+        key = str(policy) if isinstance(policy, (str, Path)) else id(policy)
+        with self._lock:
+            entry = self._controllers.get(key)
+            if entry is None or entry[0] is not policy:
+                source = FIXED_POLICY if policy is None else policy
+                controller = PolicyController(
+                    self.engine, source, recorder=self.recorder, breaker_store=self.breaker_store
+                )
+                entry = (policy, controller)
+                self._controllers[key] = entry
+        return entry[1]
+
+    def _parse(self, call: _Prepared, text: str) -> tuple[str, list[Any], list[Any]]:
+        if not call.specs:
+            return text, [], []
+        parsed = parse_tool_calls(text, call.specs)
+        return parsed.content, list(parsed.tool_calls), list(parsed.invalid_tool_calls)
+
+    def _result(
+        self,
+        call: _Prepared,
+        outcome: PolicyResult,
+        parsed: tuple[str, list[Any], list[Any]],
+        *,
+        streamed_calls: int | None = None,
+    ) -> Result:
+        generation = outcome.result
+        content, calls, invalid = parsed
+        has_calls = bool(calls) if streamed_calls is None else streamed_calls > 0
+        finish = "tool_calls" if has_calls and generation.finish_reason == "stop" else generation.finish_reason
+        return Result(
+            text=generation.text,
+            content=content,
+            tool_calls=calls,
+            invalid_tool_calls=invalid,
+            finish_reason=finish,
+            generation=generation,
+            usage=Usage(len(call.prompt_ids), len(generation.token_ids)),
+            model=self.engine.model_id,
+            policy=None if call.request.policy is None else dict(outcome.metadata()),
+            event=outcome.event,
+        )
+
+
+# ------------------------------------------------------------------------------------------------ sharing
+_ENGINES: dict[tuple[str, str | None, str], MTPEngine] = {}
+_SERVICES: dict[tuple[int, int, str | None], tuple[MTPEngine, Any, Service]] = {}
+_SHARED_LOCK = threading.Lock()
+_CHECKED_POLICIES: dict[tuple[str, float], bool] = {}
+
+
+def shared_engine(model: str, *, adapter: str | None = "auto", dtype: str = "float32") -> MTPEngine:
+    """The process-wide engine for ``model`` (loaded on first use; every front end naming it shares it)."""
+    key = (model_key(model), adapter, dtype)
+    with _SHARED_LOCK:
+        engine = _ENGINES.get(key)
+        if engine is None:
+            engine = MTPEngine.from_pretrained(model, adapter=adapter, dtype=dtype)
+            _ENGINES[key] = engine
+    return engine
+
+
+def loaded_engine(model: str) -> MTPEngine | None:
+    """The shared engine of ``model`` if one is loaded already (any adapter, any dtype)."""
+    with _SHARED_LOCK:
+        return next((e for (name, _, _), e in _ENGINES.items() if name == model_key(model)), None)
+
+
+def model_key(model: str) -> str:
+    return "default" if model.lower() in DEFAULT_MODEL_ALIASES else model
+
+
+def shared_service(engine: MTPEngine, *, recorder: Any = None, breaker_store: str | None = None) -> Service:
+    """The process-wide service of ``engine`` + ``recorder`` + ``breaker_store`` (so policy controllers, their
+    breakers and learned baselines are shared by every front end that uses the same three)."""
+    key = (id(engine), id(recorder), breaker_store)
+    with _SHARED_LOCK:
+        entry = _SERVICES.get(key)
+        if entry is None or entry[0] is not engine or entry[1] is not recorder:
+            entry = (engine, recorder, Service(engine, recorder=recorder, breaker_store=breaker_store))
+            _SERVICES[key] = entry
+    return entry[2]
+
+
+def check_policy(policy: PolicyLike) -> None:
+    """Validate a policy once per file version (so constructing a front end per request stays cheap)."""
+    if not isinstance(policy, (str, Path)):
+        load_policy(policy)
+        return
+    path = resolve_policy_path(policy)
+    key = (str(path), path.stat().st_mtime if path.exists() else 0.0)
+    if key not in _CHECKED_POLICIES:
+        load_policy(policy)
+        _CHECKED_POLICIES[key] = True
+
+
+# ------------------------------------------------------------------------------------------------ prompts
+def prompt_ids(tokenizer: Any, request: Request) -> list[int]:
+    """Token ids of ``request``'s messages with the tool block and answer-format instruction as a system block."""
+    answer_schema, json_answer = answer_format(request.response_format)
+    specs = tool_specs(list(request.tools))
+    choice = normalize_tool_choice(request.tool_choice, [s.name for s in specs]) if specs else None
+    use_tools = bool(specs) and choice != "none"
+    blocks = []
+    if use_tools:
+        blocks.append(tools_system_block(specs, choice, parallel=request.parallel_tool_calls))
+    if json_answer:
+        blocks.append(_json_block(answer_schema, alongside_tools=use_tools))
+    messages = with_system_block([dict(m) for m in request.messages], "\n\n".join(blocks) or None)
+    if not messages:
+        raise EmptyPromptError("There are no messages to answer; pass at least one message.")
+    return render_messages(tokenizer, messages)
+
+
+def with_system_block(messages: list[dict[str, Any]], block: str | None) -> list[dict[str, Any]]:
+    """``block`` appended to the leading system message (or as a new leading one)."""
+    if not block:
+        return messages
+    if messages and messages[0]["role"] == "system":
+        return [{"role": "system", "content": f"{messages[0]['content']}\n\n{block}"}, *messages[1:]]
+    return [{"role": "system", "content": block}, *messages]
+
+
+def answer_format(response_format: Mapping[str, Any] | None) -> tuple[dict[str, Any] | None, bool]:
+    """(schema, wants JSON) from an OpenAI-style ``response_format`` or a bare JSON schema."""
+    if response_format is None:
+        return None, False
+    if not isinstance(response_format, Mapping):
+        raise ConfigError(f"response_format={response_format!r} is not a dict or a schema class.")
+    if response_format.get("type") == "object":
+        return dict(response_format), True  # a bare JSON schema
+    kind = response_format.get("type")
+    if kind == "json_schema":
+        spec = response_format.get("json_schema") or {}
+        schema = spec.get("schema") if isinstance(spec, Mapping) else None
+        if not isinstance(schema, Mapping):
+            raise ConfigError("response_format json_schema needs {'json_schema': {'schema': {...}}}.")
+        return dict(schema), True
+    if kind == "json_object":
+        schema = response_format.get("schema")
+        return (dict(schema) if isinstance(schema, Mapping) else None), True
+    if kind == "text":
+        return None, False
+    raise ConfigError(f"response_format type {kind!r} is not supported; use json_schema or json_object.")
+
+
+def _json_block(schema: Mapping[str, Any] | None, *, alongside_tools: bool) -> str:
+    head = "When you give your final answer, answer" if alongside_tools else "Answer"
+    if schema is None:
+        return f"{head} with a JSON object only."
+    return f"{head} with a JSON object only, matching this JSON schema:\n{json.dumps(schema, ensure_ascii=False)}"
+
+
+def _grammar_spec(
+    specs: list[ToolSpec],
+    choice: str | None,
+    parallel: bool,
+    answer_schema: dict[str, Any] | None,
+    json_answer: bool,
+    use_tools: bool,
+) -> GrammarSpec | None:
+    if use_tools:
+        return tool_call_grammar(specs, choice, parallel=parallel, answer_schema=answer_schema if json_answer else None)
+    if json_answer:
+        return GrammarSpec.json_schema(answer_schema) if answer_schema is not None else GrammarSpec.json_object()
+    if specs:  # tool_choice="none": text that cannot contain the call syntax
+        return tool_call_grammar(specs, "none")
+    return None
+
+
+def _validators(
+    specs: list[ToolSpec], choice: str | None, answer_schema: dict[str, Any] | None, json_answer: bool
+) -> tuple[Callable[[str], Any], ...]:
+    """Checks for the policy's validity monitor (the grammar guarantees syntax; these check semantics)."""
+    if specs:
+        forced = choice not in (None, "auto")
+
+        def tool_calls_valid(text: str) -> Any:
+            errors = validation_errors(text, specs, require_call=forced)
+            return MonitorVerdict("tool_calls", not errors, detail="; ".join(errors)[:300])
+
+        return (tool_calls_valid,)
+    if json_answer:
+        return (json_validator(answer_schema, name="json_answer"),)
+    return ()
+
+
+def _check_timeout(request: Request, result: GenerationResult) -> None:
+    if result.finish_reason == "timeout" and request.on_timeout == "raise":
+        msg = (
+            f"The deadline passed after {result.stats.wall_s:.2f} s and {result.stats.new_tokens} tokens, before "
+            "the output was complete; raise timeout (or the policy's max_time_s), lower max_tokens, or set "
+            "on_timeout='return' to get the partial output."
+        )
+        raise DeadlineExceededError(msg, partial_text=result.text)
+
+
+# ------------------------------------------------------------------------------------------------ async
+_DONE = object()
+
+
+async def _iterate_in_thread(iterator: Iterator[Any], cancel: threading.Event) -> AsyncIterator[Any]:
+    """Drive a blocking iterator in one worker thread; items arrive through a queue, the event loop never
+    blocks. Stopping early sets ``cancel`` so the worker stops at its next item (releasing the engine)."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[tuple[Any, BaseException | None]] = asyncio.Queue()
+
+    def put(item: Any, error: BaseException | None) -> None:
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, (item, error))
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            cancel.set()
+
+    def work() -> None:
+        try:
+            for item in iterator:
+                if cancel.is_set():
+                    break
+                put(item, None)
+        except BaseException as e:
+            put(None, e)
+        else:
+            put(_DONE, None)
+        finally:
+            close = getattr(iterator, "close", None)
+            if close is not None:
+                close()
+
+    context = contextvars.copy_context()
+    worker = loop.run_in_executor(None, context.run, work)
+    try:
+        while True:
+            item, error = await queue.get()
+            if error is not None:
+                raise error
+            if item is _DONE:
+                break
+            yield item
+    finally:
+        cancel.set()
+        if worker.done():
+            worker.result()

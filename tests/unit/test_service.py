@@ -1,0 +1,118 @@
+"""The service is the one request path: AgentMTPChat with a policy, without one, and the service called directly
+give the same text and tool calls, and every step records exactly one StepEvent."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import pytest
+from langchain_core.messages import HumanMessage
+from langchain_core.tools import tool
+from pydantic import BaseModel, Field
+
+from agent_mtp import AgentMTPChat
+from agent_mtp.events import MemoryRecorder, StepEvent
+from agent_mtp.langchain.tools import as_openai_tool
+from agent_mtp.service import FIXED_POLICY, Limits, Request, Service
+from tests.unit.test_chat_model_helpers import shared_tiny_engine
+
+# One step type whose settings equal the fixed ones below; verified is lossless, so even a retry in NTP would
+# produce the same text.
+SAME_POLICY: dict[str, Any] = {
+    "name": "same-as-fixed",
+    "defaults": {"mode": "verified", "threshold": 0.9, "k_max": 4, "max_new_tokens": 96},
+}
+
+
+class BookingArgs(BaseModel):
+    city: Literal["Paris", "Oslo"]
+    people: int = Field(ge=1, le=9)
+
+
+@tool(args_schema=BookingArgs)
+def book_table(city: str, people: int) -> str:
+    """Book a table in a city for some people."""
+    return f"booked {people} in {city}"
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return shared_tiny_engine()
+
+
+def _events(recorder: MemoryRecorder) -> list[StepEvent]:
+    return [e for e in recorder.events if isinstance(e, StepEvent)]
+
+
+@pytest.mark.parametrize("tool_choice", [None, "book_table"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_model_with_and_without_policy_and_the_service_agree(engine, tool_choice, stream) -> None:
+    message = [HumanMessage("Book a table for two in Paris.")]
+    outputs = []
+    recorders = []
+    for policy in (SAME_POLICY, None):
+        recorder = MemoryRecorder()
+        settings: dict[str, Any] = {"policy": policy, "recorder": recorder, "max_tokens": 96}
+        if policy is None:
+            settings.update(mode="verified", k_max=4)
+        llm = AgentMTPChat(model=engine, **settings).bind_tools([book_table], tool_choice=tool_choice)
+        if stream:
+            chunks = list(llm.stream(message))
+            full = chunks[0]
+            for c in chunks[1:]:
+                full += c
+            outputs.append((full.content, [(c["name"], c["args"]) for c in full.tool_calls]))
+        else:
+            msg = llm.invoke(message)
+            outputs.append((msg.content, [(c["name"], c["args"]) for c in msg.tool_calls]))
+        recorders.append(recorder)
+
+    recorder = MemoryRecorder()
+    service = Service(engine, recorder=recorder)
+    request = Request(
+        messages=({"role": "user", "content": "Book a table for two in Paris."},),
+        tools=(as_openai_tool(book_table),),
+        tool_choice=tool_choice,
+        limits=Limits(max_tokens=96),
+        policy=None,
+        decode=AgentMTPChat(model=engine, mode="verified", k_max=4, max_tokens=96)._fixed_config(),
+    )
+    if stream:
+        deltas = list(service.stream(request))
+        result = deltas[-1].result
+        assert result is not None and "".join(d.content for d in deltas) == result.content
+    else:
+        result = service.generate(request)
+    outputs.append((result.content, [(c["name"], c["args"]) for c in result.tool_calls]))
+    recorders.append(recorder)
+
+    assert outputs[0] == outputs[1] == outputs[2]
+    if tool_choice is not None:
+        assert outputs[0][1] and outputs[0][1][0][0] == "book_table"  # a forced call parsed into tool_calls
+    for r in recorders:
+        events = _events(r)
+        assert len(events) == 1  # one step, one event, from the controller
+        assert events[0].outcome == "ok" and events[0].mode == "verified"
+    assert _events(recorders[1])[0].step_type == "unclassified"  # the trivial policy's one step type
+
+
+def test_no_policy_is_the_trivial_policy(engine) -> None:
+    assert FIXED_POLICY.defaults.retries.attempts == 1
+    assert not FIXED_POLICY.defaults.fallback.enabled
+    monitors = FIXED_POLICY.defaults.monitors
+    assert not any(
+        m.enabled for m in (monitors.validity, monitors.repetition, monitors.ntp_agreement, monitors.likelihood)
+    )
+    result = Service(engine).generate(
+        Request(messages=({"role": "user", "content": "hi"},), policy=None, limits=Limits(max_tokens=5))
+    )
+    assert result.policy is None and result.usage.output_tokens == len(result.generation.token_ids) <= 5
+
+
+async def test_async_forms_match_the_sync_ones(engine) -> None:
+    service = Service(engine)
+    request = Request(messages=({"role": "user", "content": "hi"},), policy=None, limits=Limits(max_tokens=8))
+    sync = service.generate(request)
+    assert (await service.agenerate(request)).text == sync.text
+    deltas = [d async for d in service.astream(request)]
+    assert "".join(d.content for d in deltas) == sync.text and deltas[-1].result is not None
