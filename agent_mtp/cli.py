@@ -16,6 +16,7 @@ from agent_mtp.cli_common import (
     AdapterOpt,
     DtypeOpt,
     ModelOpt,
+    RuntimeOpt,
     ThreadsOpt,
     console,
     load_engine,
@@ -52,6 +53,7 @@ def generate(
     model: ModelOpt = "default",
     adapter: AdapterOpt = None,
     dtype: DtypeOpt = "float32",
+    runtime: RuntimeOpt = "auto",
     threads: ThreadsOpt = None,
 ) -> None:
     """Generate one answer and print it (or the stable JSON object with --json)."""
@@ -69,7 +71,7 @@ def generate(
         max_time=max_time,
         seed=seed,
     )
-    engine = load_engine(model, adapter, dtype)
+    engine = load_engine(model, adapter, dtype, runtime)
     if as_json:
         out.print_json(json.dumps(engine.generate(prompt, cfg).to_dict()))
         return
@@ -99,46 +101,61 @@ def demo(
     model: ModelOpt = "default",
     adapter: AdapterOpt = None,
     dtype: DtypeOpt = "float32",
+    runtime: RuntimeOpt = "auto",
     threads: ThreadsOpt = None,
     threshold: float = 0.9,
     k_max: Annotated[int, typer.Option("--k-max")] = 8,
 ) -> None:
-    """Agent-like prompts in NTP and MTP modes side by side: tokens/forward, tokens/s, speedup, exactness."""
+    """Agent-like prompts with HF generate, the engine's NTP loop and its MTP modes side by side: tokens/forward,
+    tokens/s, speedup over HF generate and over the engine's NTP, exactness."""
     from agent_mtp.bench.core import Variant, load_suite, run_once
+    from agent_mtp.bench.hf import BaselineModels
     from agent_mtp.engine import DecodeConfig
 
     set_threads(threads)
-    engine = load_engine(model, adapter, dtype)
+    engine = load_engine(model, adapter, dtype, runtime)
     prompts = {p.id: p for p in load_suite("quick")}
     variants = [
+        Variant("HF generate (transformers)", None, engine.model.dtype),
         Variant("ntp", DecodeConfig(mode="ntp")),
         Variant("verified (lossless)", DecodeConfig(mode="verified", k_max=k_max)),
         Variant(f"confadapt tau={threshold:g}", DecodeConfig(mode="confadapt", threshold=threshold, k_max=k_max)),
     ]
     adapter_name = "shipped MTP adapter" if engine.adapter is not None else "no adapter (untrained mask)"
-    console.print(f"[bold]{engine.model_id}[/bold] with {adapter_name}, {dtype}, {threads_in_use()} threads")
-    run_once(engine, variants[0], next(iter(prompts.values())))  # warm-up
-    table = Table(title="agent-mtp demo: NTP vs MTP on agent-like steps")
-    for col in ("step", "mode", "tokens", "tokens/forward", "tokens/s", "speedup", "same as NTP"):
+    console.print(
+        f"[bold]{engine.model_id}[/bold] with {adapter_name}, {dtype}, {engine.runtime} runtime, "
+        f"{threads_in_use()} threads"
+    )
+    models = BaselineModels(engine)
+    with console.status("Warming up (weights, cost curve, every variant once) ..."):
+        _ = engine.cost_curve
+        for variant in variants:
+            run_once(engine, variant, next(iter(prompts.values())), baselines=models)
+    table = Table(title=f"agent-mtp demo: HF generate vs the engine ({engine.runtime} runtime) on agent-like steps")
+    for col in ("step", "mode", "tokens", "tokens/forward", "tokens/s", "vs HF", "vs ntp", "same as NTP"):
         table.add_column(col, justify="right" if col not in ("step", "mode") else "left")
     for label, prompt_id in DEMO_PROMPTS:
         prompt = prompts[prompt_id]
-        runs = [run_once(engine, v, prompt) for v in variants]
-        ntp_rate = len(runs[0].token_ids) / runs[0].wall_s
+        runs = [run_once(engine, v, prompt, baselines=models) for v in variants]
+        hf_rate, ntp_rate = (len(r.token_ids) / r.wall_s for r in runs[:2])
         for variant, run in zip(variants, runs, strict=True):
             rate = len(run.token_ids) / run.wall_s
-            same = "yes" if run.token_ids == runs[0].token_ids else "no"
             table.add_row(
                 label if variant is variants[0] else "",
                 variant.name,
                 str(len(run.token_ids)),
                 f"{len(run.token_ids) / max(run.forward_passes, 1):.2f}",
                 f"{rate:.1f}",
-                f"{rate / ntp_rate:.2f}x",
-                "-" if variant is variants[0] else same,
+                f"{rate / hf_rate:.2f}x",
+                "-" if variant.config is None else f"{rate / ntp_rate:.2f}x",
+                "-" if variant is variants[1] else ("yes" if run.token_ids == runs[1].token_ids else "no"),
             )
-        out.print(f"\n[bold]{label}[/bold]: {engine.decode_tokens(runs[1].token_ids).strip()[:300]}")
+        out.print(f"\n[bold]{label}[/bold]: {engine.decode_tokens(runs[2].token_ids).strip()[:300]}")
     out.print(table)
+    out.print(
+        "[dim]One run per cell on a shared CPU: timings vary +-30% run to run. `agent-mtp bench` runs every variant "
+        "on more prompts, interleaved, and reports pooled ratios.[/dim]"
+    )
 
 
 def _int_option(name: str, value: str) -> int:

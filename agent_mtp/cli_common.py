@@ -13,6 +13,9 @@ out = Console()
 ModelOpt = Annotated[str, typer.Option(help='"default", a hub id or a local directory.')]
 AdapterOpt = Annotated[str | None, typer.Option(help='MTP adapter dir, "none", or omit for the shipped one.')]
 DtypeOpt = Annotated[str, typer.Option(help="float32 or bfloat16.")]
+RuntimeOpt = Annotated[
+    str, typer.Option(help='What runs the forward passes: "auto" (fast where it can), "fast" or "hf" (transformers).')
+]
 ThreadsOpt = Annotated[int | None, typer.Option(help="torch threads (default: torch's choice).")]
 
 
@@ -29,7 +32,7 @@ def threads_in_use() -> int:
     return torch.get_num_threads()
 
 
-def load_engine(model: str, adapter: str | None, dtype: str) -> Any:
+def load_engine(model: str, adapter: str | None, dtype: str, runtime: str = "auto") -> Any:
     """Load an engine for a CLI command: the shipped adapter unless ``adapter`` is a dir or "none"."""
     from transformers.utils import logging as hf_logging
 
@@ -38,4 +41,4 @@ def load_engine(model: str, adapter: str | None, dtype: str) -> Any:
     hf_logging.disable_progress_bar()
     chosen = "auto" if adapter is None else (None if adapter == "none" else adapter)
     with console.status(f"Loading {model} ..."):
-        return MTPEngine.from_pretrained(model, adapter=chosen, dtype=dtype)
+        return MTPEngine.from_pretrained(model, adapter=chosen, dtype=dtype, runtime=runtime)  # type: ignore[arg-type]

@@ -15,6 +15,7 @@ from agent_mtp.cli_common import (
     AdapterOpt,
     DtypeOpt,
     ModelOpt,
+    RuntimeOpt,
     ThreadsOpt,
     console,
     load_engine,
@@ -40,7 +41,9 @@ def register(app: typer.Typer) -> None:
 
 
 def bench(
-    quick: Annotated[bool, typer.Option("--quick", help="The quick suite and five variants (< 3 minutes).")] = False,
+    quick: Annotated[
+        bool, typer.Option("--quick", help="The quick suite and seven variants, peers included (< 5 minutes).")
+    ] = False,
     suite: Annotated[
         str | None,
         typer.Option(help="Suite, group (agent, full) or .jsonl path; comma-separate several. Default: full."),
@@ -48,8 +51,9 @@ def bench(
     variants: Annotated[
         str | None,
         typer.Option(
-            help="Comma-separated variants: hf-generate-fp32, hf-generate-bf16, hf-prompt-lookup, ntp, static-<k>, "
-            "confadapt-<tau>[-auto], verified[-mtp|-ngram][-auto]. Default: all of them with the threshold sweep."
+            help="Comma-separated variants: hf-generate-fp32, hf-generate-bf16, hf-prompt-lookup, llama-cpp, ntp, "
+            "static-<k>, confadapt-<tau>[-auto], verified[-mtp|-ngram][-auto]; an engine variant ending in @hf or "
+            "@fast runs on that runtime. Default: all of them with the threshold sweep (llama-cpp when installed)."
         ),
     ] = None,
     thresholds: Annotated[
@@ -71,12 +75,16 @@ def bench(
     ] = True,
     out_dir: Annotated[
         Path | None, typer.Option("--out", help="Folder for bench.json, frontier.png and suites.png.")
-    ] = Path("agent-mtp-bench"),
+    ] = Path("runs/bench"),
     json_out: Annotated[Path | None, typer.Option("--json-out", help="Also write the full report here.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the summaries as JSON instead of tables.")] = False,
     model: ModelOpt = "default",
     adapter: AdapterOpt = None,
     dtype: DtypeOpt = "float32",
+    runtime: RuntimeOpt = "auto",
+    gguf: Annotated[
+        Path | None, typer.Option(help="GGUF file of the model for the llama-cpp variant (default model: found).")
+    ] = None,
     threads: ThreadsOpt = None,
 ) -> None:
     """HF generate (fp32, bf16, prompt lookup) and engine modes side by side on agent prompt suites.
@@ -87,19 +95,25 @@ def bench(
     from rich.progress import Progress
 
     from agent_mtp.bench.core import DEFAULT_VARIANTS, QUICK_VARIANTS, run_bench, variants_from_names
+    from agent_mtp.bench.llamacpp import unavailable_reason
     from agent_mtp.bench.suites import describe, load_suite
 
     set_threads(threads)
     names = _variant_names(variants, quick=quick, thresholds=thresholds, defaults=(QUICK_VARIANTS, DEFAULT_VARIANTS))
+    peer_missing = unavailable_reason(model, gguf)
+    if variants is None and peer_missing is not None:
+        names = [n for n in names if n != "llama-cpp"]
+        console.print(f"[dim]llama-cpp peer skipped: {peer_missing}[/dim]")
     variants_from_names(names)  # fail on a bad name before loading the model
     if limit is None and suite is None and not quick:
         limit = DEFAULT_LIMIT
     prompts = _limit(load_suite(suite or ("quick" if quick else "full")), limit)
-    engine = load_engine(model, adapter, dtype)
+    engine = load_engine(model, adapter, dtype, runtime)
     k = k_max or (engine.adapter.config.k_max_trained if engine.adapter is not None else FALLBACK_K_MAX)
     chosen = variants_from_names(names, k_max=k)
     console.print(
-        f"[bold]{engine.model_id}[/bold] ({dtype}, {'MTP adapter' if engine.adapter else 'no adapter'}), "
+        f"[bold]{engine.model_id}[/bold] ({dtype}, {'MTP adapter' if engine.adapter else 'no adapter'}, "
+        f"{engine.runtime} runtime), "
         f"{threads_in_use()} threads; prompts {describe(prompts)}; {len(chosen)} variants x {repeats}, k_max {k}"
     )
     with Progress(console=console, transient=True) as progress:
@@ -112,6 +126,7 @@ def bench(
             repeats=repeats,
             grammar=grammar,
             fresh_cost_curve=fresh_cost_curve,
+            gguf=gguf,
             on_run=lambda _: progress.advance(timed),
             on_score=lambda done, _total: progress.update(scored, completed=done),
         )

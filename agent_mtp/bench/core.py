@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from dataclasses import replace as dc_replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -55,6 +56,9 @@ DEFAULT_VARIANTS = (
     "hf-generate-fp32",
     "hf-generate-bf16",
     "hf-prompt-lookup",
+    "llama-cpp",
+    "ntp@hf",
+    "verified@hf",
     "ntp",
     "static-4",
     *(f"confadapt-{t:g}" for t in DEFAULT_THRESHOLDS),
@@ -62,7 +66,7 @@ DEFAULT_VARIANTS = (
     "verified-mtp",
     "verified-auto",
 )
-QUICK_VARIANTS = ("hf-generate-fp32", "hf-prompt-lookup", "ntp", "confadapt-0.9", "verified")
+QUICK_VARIANTS = ("hf-generate-fp32", "llama-cpp", "ntp@hf", "verified@hf", "ntp", "confadapt-0.9", "verified")
 REFERENCE_VARIANT = "ntp"
 
 
@@ -76,29 +80,40 @@ class Variant:
     """HF variants: the model's dtype (None: the engine's)."""
     prompt_lookup: int | None = None
     """HF variants: ``prompt_lookup_num_tokens`` (prompt lookup decoding)."""
+    runtime: str | None = None
+    """Engine variants: the runtime that runs them ("fast" or "hf"; None: the engine's own)."""
+    peer: str | None = None
+    """Peers outside transformers: "llama-cpp"."""
 
     @property
     def is_hf(self) -> bool:
-        return self.config is None
+        return self.config is None and self.peer is None
 
 
 _VARIANT_NAMES = re.compile(
-    r"^(?:(?P<hf>hf-generate-(?P<dtype>fp32|bf16))|(?P<lookup>hf-prompt-lookup)|(?P<ntp>ntp)"
-    r"|static-(?P<static>\d+)|confadapt-(?P<tau>\d+(?:\.\d+)?)(?P<cauto>-auto)?"
-    r"|verified(?P<drafts>-mtp|-ngram)?(?P<vauto>-auto)?)$"
+    r"^(?:(?P<hf>hf-generate-(?P<dtype>fp32|bf16))|(?P<lookup>hf-prompt-lookup)|(?P<llamacpp>llama-cpp)"
+    r"|(?:(?P<ntp>ntp)|static-(?P<static>\d+)|confadapt-(?P<tau>\d+(?:\.\d+)?)(?P<cauto>-auto)?"
+    r"|verified(?P<drafts>-mtp|-ngram)?(?P<vauto>-auto)?)(?:@(?P<runtime>fast|hf))?)$"
 )
 
 
 def variant_from_name(name: str, *, k_max: int = 8) -> Variant:
-    """A variant from its name: ``hf-generate-fp32``, ``hf-generate-bf16``, ``hf-prompt-lookup``, ``ntp``,
-    ``static-<k>``, ``confadapt-<tau>[-auto]``, ``verified[-mtp|-ngram][-auto]`` (``-auto``: ``k_max="auto"``)."""
+    """A variant from its name: ``hf-generate-fp32``, ``hf-generate-bf16``, ``hf-prompt-lookup``, ``llama-cpp``,
+    ``ntp``, ``static-<k>``, ``confadapt-<tau>[-auto]``, ``verified[-mtp|-ngram][-auto]`` (``-auto``:
+    ``k_max="auto"``); an engine variant may end in ``@fast`` or ``@hf`` to pick the runtime that runs it."""
     m = _VARIANT_NAMES.match(name.strip())
     if m is None:
         msg = (
-            f"Unknown bench variant {name!r}; use hf-generate-fp32, hf-generate-bf16, hf-prompt-lookup, ntp, "
-            "static-<k>, confadapt-<tau>[-auto] or verified[-mtp|-ngram][-auto]."
+            f"Unknown bench variant {name!r}; use hf-generate-fp32, hf-generate-bf16, hf-prompt-lookup, llama-cpp, "
+            "ntp, static-<k>, confadapt-<tau>[-auto] or verified[-mtp|-ngram][-auto], engine variants optionally "
+            "with @fast or @hf."
         )
         raise ConfigError(msg)
+    if m["llamacpp"]:
+        return Variant(name, peer="llama-cpp")
+    if m["runtime"]:
+        base = variant_from_name(name.strip().rsplit("@", 1)[0], k_max=k_max)
+        return dc_replace(base, name=name, runtime=m["runtime"])
     if m["hf"]:
         return Variant(name, None, torch.float32 if m["dtype"] == "fp32" else torch.bfloat16)
     if m["lookup"]:
@@ -174,10 +189,22 @@ def run_once(
     """Generate once for ``prompt`` with ``variant`` (constrained like AgentMTPChat when the prompt has tools or
     a response schema and ``grammar`` is on)."""
     ids = engine.encode_prompt(prompt.prompt_messages())
+    models = baselines if baselines is not None else BaselineModels(engine)
+    if variant.peer is not None:
+        out = models.llama_cpp().generate(ids, prompt.max_new_tokens, engine.eos_token_ids)
+        return Run(
+            variant.name,
+            prompt.id,
+            out.token_ids,
+            out.wall_s,
+            out.ttft_s,
+            out.forward_passes,
+            prompt.suite,
+            prompt.score,
+        )
     compiled = prompt_grammar(engine, prompt) if grammar else None
     constraint = compiled.constraint() if compiled is not None else None
     if variant.config is None:
-        models = baselines if baselines is not None else BaselineModels(engine)
         with models.use(variant.hf_dtype) as model:
             out = hf_generate(
                 engine, model, ids, prompt.max_new_tokens, prompt_lookup=variant.prompt_lookup, constraint=constraint
@@ -193,8 +220,9 @@ def run_once(
             prompt.score,
         )
     config = variant.config.replace(max_new_tokens=prompt.max_new_tokens)
+    runner_engine = models.engine(variant.runtime)
     start = time.perf_counter()  # timed from outside, like HF generate: what the caller waits for
-    result = engine.generate(ids, config, constraint=constraint)
+    result = runner_engine.generate(ids, config, constraint=constraint)
     wall = time.perf_counter() - start
     s = result.stats
     return Run(
@@ -220,6 +248,7 @@ def run_bench(
     grammar: bool = True,
     score: bool = True,
     fresh_cost_curve: bool = True,
+    gguf: str | Path | None = None,
     on_run: Callable[[Run], None] | None = None,
     on_score: Callable[[int, int], None] | None = None,
 ) -> BenchReport:
@@ -227,17 +256,20 @@ def run_bench(
     by one for every prompt and repeat), then score the outputs (untimed) and summarise.
 
     ``fresh_cost_curve``: measure the forward cost curve now (in memory only) instead of using the one cached on
-    disk, which may have been measured under other conditions; ``verified`` and ``-auto`` variants plan with it."""
+    disk, which may have been measured under other conditions; ``verified`` and ``-auto`` variants plan with it.
+    ``gguf``: the model's GGUF file for the ``llama-cpp`` variant (found by itself for the default model)."""
     if repeats < 1:
         raise ConfigError(f"repeats={repeats}; use an int >= 1.")
     machine = machine_info()
-    baselines = BaselineModels(engine)
+    baselines = BaselineModels(engine, gguf=gguf)
     if warmup and prompts:
         probe = dc_replace(prompts[0], id="warmup", max_new_tokens=8)
         for variant in variants:
             run_once(engine, variant, probe, grammar=grammar, baselines=baselines)
-    if fresh_cost_curve and any(v.config is not None and v.config.mode != "ntp" for v in variants):
-        engine.set_cost_curve(engine.measure_cost_curve())
+    if fresh_cost_curve:
+        for runtime in sorted({v.runtime or engine.runtime for v in variants if v.config and v.config.mode != "ntp"}):
+            sibling = baselines.engine(runtime)
+            sibling.set_cost_curve(sibling.measure_cost_curve())
     runs: list[Run] = []
     for rep in range(repeats):
         for i, prompt in enumerate(prompts):
@@ -258,12 +290,13 @@ def run_bench(
         settings={
             "model": engine.model_id,
             "dtype": str(engine.model.dtype).replace("torch.", ""),
+            "runtime": engine.runtime,
             "adapter": _adapter_info(engine),
             "prompts": len(prompts),
             "repeats": repeats,
             "grammar": grammar,
             "variants": [v.name for v in variants],
-            "cost_curve": [list(p) for p in engine.cost_curve.points] if engine._cost_curve is not None else None,
+            "cost_curves": baselines.cost_curves(),
         },
         summaries=summarise(runs, variants),
         suite_summaries={suite: summarise(rs, variants) for suite, rs in by_suite.items()},

@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -44,20 +45,47 @@ def bare_model(engine: Any) -> Iterator[Any]:
 
 
 class BaselineModels:
-    """Bare models per dtype: the engine's own (adapter detached) for its dtype, a cached copy for any other."""
+    """What the variants run on: bare models per dtype (the engine's own with its adapter detached for its dtype, a
+    cached copy for any other), sibling engines per runtime, and the llama.cpp peer (loaded on first use)."""
 
-    def __init__(self, engine: Any) -> None:
-        self.engine = engine
+    def __init__(self, engine: Any, *, gguf: str | Path | None = None) -> None:
+        self.main = engine
+        self.gguf = gguf
         self._copies: dict[torch.dtype, Any] = {}
+        self._engines: dict[str, Any] = {engine.runtime: engine}
+        self._llama_cpp: Any = None
+
+    def engine(self, runtime: str | None) -> Any:
+        """The engine on ``runtime`` (None: the main engine), sharing the main engine's model and adapter."""
+        if runtime is None:
+            return self.main
+        if runtime not in self._engines:
+            self._engines[runtime] = self.main.with_runtime(runtime)
+        return self._engines[runtime]
+
+    def cost_curves(self) -> dict[str, list[list[float]]]:
+        """The cost curve each runtime's planner used (those measured or loaded so far)."""
+        return {
+            runtime: [list(p) for p in e._cost_curve.points]
+            for runtime, e in self._engines.items()
+            if e._cost_curve is not None
+        }
+
+    def llama_cpp(self) -> Any:
+        if self._llama_cpp is None:
+            from agent_mtp.bench.llamacpp import LlamaCppPeer, gguf_for
+
+            self._llama_cpp = LlamaCppPeer(gguf_for(self.main.model_id, self.gguf))
+        return self._llama_cpp
 
     @contextmanager
     def use(self, dtype: torch.dtype | None) -> Iterator[Any]:
-        if dtype is None or dtype == self.engine.model.dtype:
-            with bare_model(self.engine) as model:
+        if dtype is None or dtype == self.main.model.dtype:
+            with bare_model(self.main) as model:
                 yield model
             return
         if dtype not in self._copies:
-            with bare_model(self.engine) as model:
+            with bare_model(self.main) as model:
                 self._copies[dtype] = copy.deepcopy(model).to(dtype).eval()
         yield self._copies[dtype]
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from agent_mtp.bench.core import BenchReport, VariantSummary
 
@@ -78,6 +79,13 @@ def suite_markdown(report: BenchReport, field: str, fmt: Callable[[float], str])
     return _table(("variant", *suites, "all"), rows)
 
 
+def _curves(settings: dict[str, Any]) -> str:
+    curves = settings.get("cost_curves")
+    if curves is None:  # reports written before runtimes existed
+        return _curve(settings.get("cost_curve"))
+    return "; ".join(f"{runtime}: {_curve(points)}" for runtime, points in sorted(curves.items())) or "-"
+
+
 def _curve(points: list[list[float]] | None) -> str:
     return "-" if not points else ", ".join(f"{int(n)}: {c:.2f}" for n, c in points)
 
@@ -101,7 +109,8 @@ def report_markdown(report: BenchReport) -> str:
         f"load average {_num(m.get('load_avg_1m') or math.nan)} at the start, "
         f"{_num(m.get('load_avg_1m_end') or math.nan)} at the end; torch {m.get('torch')}, "
         f"transformers {m.get('transformers')}",
-        f"- forward cost curve the planner used (tokens fed: cost relative to 1 token): {_curve(st.get('cost_curve'))}",
+        f"- runtime of the engine variants without @: {st.get('runtime', 'hf')}; forward cost curves the planner used "
+        f"(tokens fed: cost relative to 1 token): {_curves(st)}",
         "",
         "## Speed",
         "",

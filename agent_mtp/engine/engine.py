@@ -63,6 +63,7 @@ class MTPEngine:
         cost_curve: CostCurve | None = None,
         runtime: Runtime = "auto",
     ) -> None:
+        self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.model_id = loaded.model_id
@@ -203,6 +204,13 @@ class MTPEngine:
             last = chunk
         assert last is not None and last.stats is not None and last.finish_reason is not None
         return GenerationResult("".join(text), ids, last.finish_reason, last.stats)
+
+    def with_runtime(self, runtime: Runtime) -> MTPEngine:
+        """This engine if it already runs on ``runtime``, else a sibling over the same model, tokenizer and adapter
+        on that runtime (for side-by-side comparisons; the sibling has its own lock and cost curve)."""
+        if runtime == self.runtime or (runtime == "auto" and self.runtime == _resolve_runtime("auto", self.model)):
+            return self
+        return MTPEngine(self.loaded, adapter=self.adapter, runtime=runtime)
 
     def new_runner(self) -> Runner:
         """A runner for one sequence on this engine's runtime (the fast model is prepared on first use, and again

@@ -159,7 +159,9 @@ def test_cli_quick_run_writes_json_and_plots(tiny_model_dir: Path, tmp_path: Pat
     torch.set_num_threads(threads)
     assert result.exit_code == 0, result.output
     data = json.loads((out / "bench.json").read_text())
-    assert [s["variant"] for s in data["summaries"]] == list(QUICK_VARIANTS)
+    # llama-cpp is left out (with a note) for a model without a GGUF file
+    assert [s["variant"] for s in data["summaries"]] == [v for v in QUICK_VARIANTS if v != "llama-cpp"]
+    assert "llama-cpp peer skipped" in result.output
     assert data["settings"]["prompts"] == len(load_suite("quick"))
     assert (out / "frontier.png").is_file() and (out / "suites.png").is_file()
     markdown = (out / "bench.md").read_text()
@@ -240,3 +242,29 @@ def test_cli_ab_prints_both_sides_and_flushes_to_redis(
     assert stats.total.requests == 6
     models = {key.model for key, _ in stats.series}
     assert any(m.endswith("/ab-a-exact") for m in models) and any(m.endswith("/ab-b-latency") for m in models)
+
+
+# -- runtimes and peers ----------------------------------------------------------------------------------------------
+def test_runtime_variants_run_side_by_side_with_equal_greedy_output(engine: Any, prompts: list[Any]):
+    variants = variants_from_names(["ntp@hf", "ntp@fast", "verified@hf", "verified"], k_max=4)
+    assert [v.runtime for v in variants] == ["hf", "fast", "hf", None]
+    assert engine.runtime == "fast"
+    report = run_bench(engine, prompts, variants, score=False)
+    outputs: dict[str, dict[str, list[int]]] = {}
+    for run in report.runs:
+        outputs.setdefault(run.prompt_id, {})[run.variant] = run.token_ids
+    for prompt_id, by_variant in outputs.items():
+        assert len({tuple(ids) for ids in by_variant.values()}) == 1, prompt_id
+    assert set(report.settings["cost_curves"]) == {"fast", "hf"}
+
+
+def test_peer_and_runtime_names_are_validated():
+    from agent_mtp.bench.core import variant_from_name
+    from agent_mtp.errors import ConfigError
+
+    assert variant_from_name("llama-cpp").peer == "llama-cpp"
+    assert not variant_from_name("llama-cpp").is_hf
+    assert variant_from_name("confadapt-0.8@hf").config.threshold == 0.8  # type: ignore[union-attr]
+    for bad in ("hf-generate-fp32@hf", "llama-cpp@fast", "ntp@gpu"):
+        with pytest.raises(ConfigError, match="Unknown bench variant"):
+            variant_from_name(bad)
