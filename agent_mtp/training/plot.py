@@ -22,11 +22,11 @@ def read_log(path: str | Path) -> list[dict[str, Any]]:
 
 def plot_log(log_path: str | Path, png_path: str | Path) -> Path | None:
     """Write the curves of ``log.jsonl`` to ``png_path`` (None when the log has nothing to plot)."""
-    import matplotlib
+    from agent_mtp.plotting import plotting_available, pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    if not plotting_available():
+        return None  # training never fails for want of a plot
+    plt = pyplot()
     rows = read_log(log_path)
     train = [r for r in rows if r.get("event") == "train"]
     evals = [r for r in rows if r.get("event") == "eval"]

@@ -36,6 +36,8 @@ from agent_mtp.training.precision import low_precision_twin
 from agent_mtp.training.real_cache import RealPassStore, default_memory_budget
 
 STATE_FILE = "trainer_state.pt"
+ADAPTER_LINK = "adapter_link.txt"
+"""In a checkpoint without its own adapter weights: the folder (relative path) that holds them."""
 
 
 @dataclass(frozen=True)
@@ -382,6 +384,7 @@ class Trainer:
             raise TrainingError(f"{path}: no {STATE_FILE}; pass the 'checkpoint' folder of an earlier run to --resume.")
         blob: dict[str, Any] = torch.load(state_file, weights_only=False)
         if self.adapter is not None:
+            path = checkpoint_adapter_dir(path)
             cfg = read_adapter_config(path)
             mine = self.adapter.config
             if (cfg.rank, cfg.target_modules, cfg.layers) != (mine.rank, mine.target_modules, mine.layers):
@@ -443,10 +446,23 @@ def load_data(data_dir: str | Path) -> tuple[list[Record], list[Record]]:
     return train, heldout
 
 
+def checkpoint_adapter_dir(directory: str | Path) -> Path:
+    """Where a checkpoint's adapter weights are: the checkpoint itself, or the folder its ``ADAPTER_LINK`` file
+    names (relative to the checkpoint), so a checkpoint of a shipped adapter need not hold a second copy."""
+    path = Path(directory)
+    link = path / ADAPTER_LINK
+    if (path / "adapter.safetensors").is_file() or not link.is_file():
+        return path
+    target = (path / link.read_text(encoding="utf-8").strip()).resolve()
+    if not (target / "adapter.safetensors").is_file():
+        raise TrainingError(f"{link} names {target}, which holds no adapter.safetensors; fix the link or the path.")
+    return target
+
+
 def check_resume_base(directory: str | Path, model: Any, mask_token_id: int) -> None:
     """Fail early when a checkpoint adapter belongs to another base model (loads and detaches it)."""
     try:
-        adapter = load_adapter(model, directory, mask_token_id=mask_token_id)
+        adapter = load_adapter(model, checkpoint_adapter_dir(directory), mask_token_id=mask_token_id)
     except AdapterError as e:
         raise TrainingError(f"--resume {directory}: {e}") from e
     adapter.detach(model)

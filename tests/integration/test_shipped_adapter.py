@@ -89,12 +89,12 @@ def test_committed_checkpoint_resumes(tmp_path: Path) -> None:
     from agent_mtp.engine.loading import load_model
     from agent_mtp.training.data import Record
     from agent_mtp.training.objective import ObjectiveConfig
-    from agent_mtp.training.trainer import TrainConfig, Trainer
+    from agent_mtp.training.trainer import TrainConfig, Trainer, checkpoint_adapter_dir
 
     lm = load_model("default")
     size = sum(p.stat().st_size for p in CHECKPOINT.iterdir())
     assert size <= 25 * 2**20, f"checkpoint is {size / 2**20:.1f} MB"
-    config = read_adapter_config(CHECKPOINT)
+    config = read_adapter_config(checkpoint_adapter_dir(CHECKPOINT))
     cfg = TrainConfig(
         rank=config.rank, layers=config.layers, objective=ObjectiveConfig(k_max=config.k_max_trained), eval_prompts=0
     )
