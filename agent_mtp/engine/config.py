@@ -60,6 +60,9 @@ class DecodeConfig:
     """Tokens proposed by one prompt-lookup match."""
     stop_token_ids: tuple[int, ...] = field(default=())
     """Extra token ids that end generation (the tokenizer's EOS always does)."""
+    prefix_cache: bool = True
+    """Reuse (and keep) prompt keys and values across generations through the engine's prefix cache; output is the
+    same either way (False: prefill the whole prompt, as benchmarks of decoding speed do)."""
     cost_aware: bool = True
     """Verified mode: plan drafts and masks from the measured cost curve (False: verify the best-scoring draft
     whole and append k_max - 1 masks every pass, the same on every machine)."""
@@ -110,6 +113,8 @@ def _validate(cfg: DecodeConfig) -> None:
         raise _fail("ngram_max", cfg.ngram_max, "use an int >= 1")
     if not isinstance(cfg.ngram_draft_len, int) or cfg.ngram_draft_len < 1:
         raise _fail("ngram_draft_len", cfg.ngram_draft_len, "use an int >= 1")
+    if not isinstance(cfg.prefix_cache, bool):
+        raise _fail("prefix_cache", cfg.prefix_cache, "use True or False")
     if not isinstance(cfg.cost_aware, bool):
         raise _fail("cost_aware", cfg.cost_aware, "use True or False")
 

@@ -72,12 +72,19 @@ def decode(
     tracker: TextTracker,
     *,
     constraint: TokenConstraint | None = None,
+    started_at: float | None = None,
 ) -> Iterator[StreamChunk]:
-    """Yield one :class:`StreamChunk` per forward pass; the last carries finish_reason and stats."""
-    start = time.perf_counter()
-    stats = DecodeStats(mode=cfg.mode, prompt_tokens=len(prompt_ids))
+    """Yield one :class:`StreamChunk` per forward pass; the last carries finish_reason and stats.
+
+    A runner that already holds a prefix of ``prompt_ids`` (restored from the prefix cache) prefills only the rest.
+    ``started_at``: the ``time.perf_counter()`` the caller's clock started (TTFT and wall time count from it)."""
+    start = time.perf_counter() if started_at is None else started_at
+    cached = runner.length
+    if cached >= len(prompt_ids):
+        raise ValueError(f"The runner holds {cached} tokens of a {len(prompt_ids)}-token prompt; at most all but one.")
+    stats = DecodeStats(mode=cfg.mode, prompt_tokens=len(prompt_ids), cached_prompt_tokens=cached)
     generator = torch.Generator().manual_seed(cfg.seed) if cfg.seed is not None else None
-    state = _State(pending=list(prompt_ids), context=list(prompt_ids))
+    state = _State(pending=list(prompt_ids[cached:]), context=list(prompt_ids))
     if cfg.mode == "verified":
         state.sources = _draft_sources(state, cfg)
     finish: FinishReason | None = None

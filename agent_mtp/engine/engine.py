@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import re
 import threading
+import time
 from collections.abc import Generator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, cast
@@ -18,11 +19,12 @@ from agent_mtp.engine.cost import CostCurve, load_or_measure, measure_cost_curve
 from agent_mtp.engine.decode import DecodeSetup, decode
 from agent_mtp.engine.fast import FastModel, FastRunner, unsupported_reason
 from agent_mtp.engine.fast.model import source_signature
-from agent_mtp.engine.loading import DEFAULT_MODEL_ALIASES, LoadedModel, cache_root, load_model
+from agent_mtp.engine.loading import DEFAULT_MODEL_ALIASES, LoadedModel, cache_root, load_model, prefix_cache_mb
 from agent_mtp.engine.planner import Planner, needs_cost_curve
+from agent_mtp.engine.prefix_cache import PrefixCache
 from agent_mtp.engine.prompt import eos_token_ids, render_messages
 from agent_mtp.engine.results import GenerationResult, StreamChunk
-from agent_mtp.engine.runner import CachedRunner, ReferenceRunner, Runner
+from agent_mtp.engine.runner import CachedRunner, PrefixRunner, ReferenceRunner, Runner
 from agent_mtp.engine.text import TextTracker
 from agent_mtp.errors import AdapterError, ConfigError, EmptyPromptError, PromptError, PromptTooLongError
 
@@ -52,6 +54,11 @@ class MTPEngine:
     causal LM, any device: the reference); ``"auto"`` (default) takes ``"fast"`` where it can run and ``"hf"``
     elsewhere. :attr:`runtime` says which one runs.
 
+    A prefix cache (:attr:`prefix_cache`) keeps the keys and values of every generation's prompt and output; a
+    request that starts with a cached prefix (an agent's next step re-sends the conversation) prefills only the
+    rest. ``prefix_cache_mb`` bounds it (default ``$AGENT_MTP_PREFIX_CACHE_MB`` or 512; 0 turns it off); output is
+    the same with and without it; ``DecodeConfig(prefix_cache=False)`` bypasses it for one request.
+
     Thread-safe: generations on one engine are serialised by a lock (results equal sequential calls).
     """
 
@@ -62,6 +69,7 @@ class MTPEngine:
         adapter: MTPAdapter | None = None,
         cost_curve: CostCurve | None = None,
         runtime: Runtime = "auto",
+        prefix_cache_mb: float | None = None,
     ) -> None:
         self.loaded = loaded
         self.model = loaded.model
@@ -76,6 +84,9 @@ class MTPEngine:
         self.runtime: str = _resolve_runtime(runtime, self.model)
         """The runtime that runs forward passes: "fast" or "hf" (``runtime="auto"`` resolved)."""
         self._fast: FastModel | None = None
+        budget = prefix_cache_mb_setting(prefix_cache_mb)
+        self.prefix_cache = PrefixCache(int(budget * 2**20))
+        """Keys and values of earlier generations, reused by requests that share a prefix with them."""
 
     # -- construction -----------------------------------------------------------------------------------------
     @classmethod
@@ -90,11 +101,12 @@ class MTPEngine:
         local_files_only: bool | None = None,
         check_adapter_base: bool = True,
         runtime: Runtime = "auto",
+        prefix_cache_mb: float | None = None,
     ) -> MTPEngine:
         """Load ``"default"`` (the embedded SmolLM2-135M-Instruct + its shipped MTP adapter), a hub id, or a local
         directory. ``adapter``: "auto" (the shipped adapter for the default model, or ``<dir>/mtp_adapter`` beside a
         local model), a directory, or None for the bare model with an untrained mask token. ``runtime``: "auto",
-        "fast" or "hf" (see the class docstring)."""
+        "fast" or "hf"; ``prefix_cache_mb``: the prefix cache's budget (see the class docstring)."""
         torch_dtype = _dtype(dtype)
         loaded = load_model(
             name_or_path, dtype=torch_dtype, mask_token=mask_token, revision=revision, local_files_only=local_files_only
@@ -111,7 +123,7 @@ class MTPEngine:
                     f"model has {loaded.mask_token!r}."
                 )
                 raise AdapterError(msg + f" Pass mask_token={mtp_adapter.config.mask_token!r}.")
-        return cls(loaded, adapter=mtp_adapter, runtime=runtime)
+        return cls(loaded, adapter=mtp_adapter, runtime=runtime, prefix_cache_mb=prefix_cache_mb)
 
     # -- prompts ------------------------------------------------------------------------------------------------
     @property
@@ -176,6 +188,7 @@ class MTPEngine:
         _reference: bool = False,
     ) -> Generator[StreamChunk, None, None]:
         """Yield one chunk per forward pass; the last chunk has ``finish_reason`` and ``stats``."""
+        started = time.perf_counter()
         cfg = config or DecodeConfig()
         ids = self.encode_prompt(prompt)
         cfg = self._fit_to_context(cfg, len(ids))
@@ -183,8 +196,33 @@ class MTPEngine:
         setup = DecodeSetup(self.mask_token_id, self.eos_token_ids, Planner.for_config(cfg, curve))
         with self._lock:
             runner: Runner = ReferenceRunner(self.model) if _reference else self.new_runner()
+            reuse = cfg.prefix_cache and self.prefix_cache.budget_bytes > 0 and isinstance(runner, PrefixRunner)
+            if reuse:
+                self._restore_prefix(cast(PrefixRunner, runner), ids)
             tracker = TextTracker(self.tokenizer, cfg.stop)
-            yield from decode(runner, ids, cfg, setup, tracker, constraint=constraint)
+            finished = False
+            try:
+                yield from decode(runner, ids, cfg, setup, tracker, constraint=constraint, started_at=started)
+                finished = True
+            except GeneratorExit:  # the caller stopped reading between passes: the cache is consistent
+                finished = True
+                raise
+            finally:
+                if reuse and finished:
+                    self._keep_prefix(cast(PrefixRunner, runner))
+
+    def _restore_prefix(self, runner: PrefixRunner, ids: list[int]) -> None:
+        """Load the longest cached prefix of ``ids`` (all but the last token: its logits start decoding)."""
+        self.prefix_cache.bind(source_signature(self.model))
+        match = self.prefix_cache.match(ids, limit=len(ids) - 1)
+        if match.length:
+            runner.load(ids[: match.length], match.segments)
+
+    def _keep_prefix(self, runner: PrefixRunner) -> None:
+        tokens = runner.tokens
+        if self.mask_token_id in tokens:  # never: every pass drops its masks; kept as a guard
+            tokens = tokens[: tokens.index(self.mask_token_id)]
+        self.prefix_cache.insert(tokens, runner.export)
 
     def generate(
         self,
@@ -288,6 +326,15 @@ class MTPEngine:
                 runner.drop(n)
 
             return measure_cost_curve(forward_n)
+
+
+def prefix_cache_mb_setting(value: float | None) -> float:
+    """The prefix cache budget in MB: ``value``, else the environment's (see :func:`loading.prefix_cache_mb`)."""
+    if value is None:
+        return prefix_cache_mb()
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+        raise ConfigError(f"prefix_cache_mb={value!r} is invalid; use a number of megabytes >= 0 (0: off).")
+    return float(value)
 
 
 def _resolve_runtime(runtime: str, model: Any) -> str:

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from agent_mtp.errors import DefaultModelMissingError, MaskTokenError, ModelLoadError
+from agent_mtp.errors import ConfigError, DefaultModelMissingError, MaskTokenError, ModelLoadError
 
 log = logging.getLogger("agent_mtp.engine")
 
@@ -24,6 +24,9 @@ DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MASK_TOKEN = "<mask>"
 PAPER_MASK_TOKEN = "<|mtp_special_token_0|>"
 CACHE_ENV = "AGENT_MTP_CACHE"
+PREFIX_CACHE_ENV = "AGENT_MTP_PREFIX_CACHE_MB"
+DEFAULT_PREFIX_CACHE_MB = 512.0
+"""~11k tokens of SmolLM2-135M keys and values (46 KB per token in fp32)."""
 MASK_INIT_SEED = 0
 
 
@@ -35,6 +38,21 @@ class LoadedModel:
     mask_token: str
     mask_token_id: int
     mask_token_added: bool
+
+
+def prefix_cache_mb() -> float:
+    """The prefix cache's memory budget: ``$AGENT_MTP_PREFIX_CACHE_MB`` (0 turns it off) or 512 MB."""
+    raw = os.environ.get(PREFIX_CACHE_ENV)
+    if raw is None or not raw.strip():
+        return DEFAULT_PREFIX_CACHE_MB
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value >= 0 or value == float("inf"):
+        msg = f"{PREFIX_CACHE_ENV}={raw!r} is invalid; use a number of megabytes >= 0 (0 turns the cache off)."
+        raise ConfigError(msg)
+    return value
 
 
 def cache_root() -> Path:

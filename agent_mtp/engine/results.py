@@ -20,6 +20,8 @@ class DecodeStats:
     """Forward passes of the model, including the prefill pass."""
     new_tokens: int = 0
     prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    """Prompt tokens whose keys and values came from the prefix cache (not prefilled)."""
     accept_histogram: dict[int, int] = field(default_factory=dict)
     """tokens accepted in a pass -> number of passes."""
     draft_stats: dict[str, dict[str, int]] = field(default_factory=dict)
@@ -48,6 +50,7 @@ class DecodeStats:
             "forward_passes": self.forward_passes,
             "new_tokens": self.new_tokens,
             "prompt_tokens": self.prompt_tokens,
+            "cached_prompt_tokens": self.cached_prompt_tokens,
             "tokens_per_forward": round(self.tokens_per_forward, 4),
             "tokens_per_second": round(self.tokens_per_second, 3),
             "accept_histogram": {str(k): v for k, v in sorted(self.accept_histogram.items())},

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from collections.abc import Sequence
+from typing import Any, Protocol, cast, runtime_checkable
 
 import torch
 
@@ -20,6 +21,22 @@ class Runner(Protocol):
     def length(self) -> int: ...
 
 
+@runtime_checkable
+class PrefixRunner(Runner, Protocol):
+    """A runner whose cache can be copied out and started from a cached prefix (for the prefix cache)."""
+
+    tokens: list[int]
+    """The token ids whose keys and values the runner holds, in order."""
+
+    def export(self, start: int, end: int) -> torch.Tensor:
+        """Keys and values of positions [start, end): [layers, 2, kv_heads, end - start, head_dim] (a copy)."""
+        ...
+
+    def load(self, tokens: list[int], segments: Sequence[torch.Tensor]) -> None:
+        """Start an empty runner from ``segments`` (payloads of :meth:`export`, in order) holding ``tokens``."""
+        ...
+
+
 class CachedRunner:
     """One forward per pass over the new tokens only; rejected positions are cropped from the DynamicCache."""
 
@@ -28,23 +45,41 @@ class CachedRunner:
 
         self.model = model
         self.cache = DynamicCache(config=model.config)
-        self._length = 0
+        self.tokens: list[int] = []
 
     @property
     def length(self) -> int:
-        return self._length
+        return len(self.tokens)
 
     @torch.no_grad()
     def forward(self, tokens: list[int], keep: int) -> torch.Tensor:
         ids = torch.tensor([tokens], dtype=torch.long, device=self.model.device)  # [1, n]
         out = self.model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=keep)
-        self._length += len(tokens)
+        self.tokens += tokens
         return out.logits[0].float()  # [keep, V]
 
     def drop(self, num_tokens: int) -> None:
         if num_tokens > 0:
             self.cache.crop(-num_tokens)
-            self._length -= num_tokens
+            del self.tokens[-num_tokens:]
+
+    def export(self, start: int, end: int) -> torch.Tensor:
+        layers = [
+            (cast(Any, layer).keys[0, :, start:end], cast(Any, layer).values[0, :, start:end])
+            for layer in self.cache.layers
+        ]
+        return torch.stack([torch.stack(kv) for kv in layers])  # [L, 2, kvh, n, d]
+
+    @torch.no_grad()
+    def load(self, tokens: list[int], segments: Sequence[torch.Tensor]) -> None:
+        if self.tokens:
+            raise ValueError("load() needs an empty runner.")
+        kv = torch.cat(list(segments), dim=3).to(self.model.device)  # [L, 2, kvh, n, d]
+        if kv.shape[3] != len(tokens):
+            raise ValueError(f"Cached segments hold {kv.shape[3]} positions for {len(tokens)} tokens.")
+        for i, layer_kv in enumerate(kv):
+            self.cache.update(layer_kv[0][None].contiguous(), layer_kv[1][None].contiguous(), i)
+        self.tokens = list(tokens)
 
 
 class ReferenceRunner:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from agent_mtp.engine.fast.cache import KVCache
@@ -14,14 +16,39 @@ class FastRunner:
     def __init__(self, model: FastModel, cache: KVCache | None = None) -> None:
         self.model = model
         self.cache = cache if cache is not None else model.new_cache()
+        self.tokens: list[int] = []
+        """The token ids whose keys and values the cache holds, in order."""
 
     @property
     def length(self) -> int:
         return self.cache.length
 
     def forward(self, tokens: list[int], keep: int) -> torch.Tensor:
-        return self.model.forward(tokens, self.cache, keep)  # [keep, V]
+        logits = self.model.forward(tokens, self.cache, keep)  # [keep, V]
+        self.tokens += tokens
+        return logits
 
     def drop(self, num_tokens: int) -> None:
         if num_tokens > 0:
             self.cache.truncate(self.cache.length - num_tokens)
+            del self.tokens[-num_tokens:]
+
+    def export(self, start: int, end: int) -> torch.Tensor:
+        """Keys and values of positions [start, end): [layers, 2, kv_heads, end - start, head_dim] (a copy)."""
+        return torch.stack([layer[:, :, start:end] for layer in self.cache.layers])
+
+    def load(self, tokens: list[int], segments: Sequence[torch.Tensor]) -> None:
+        """Start from a cached prefix: ``segments`` (payloads of :meth:`export`, in order) hold ``tokens``' KV."""
+        if self.cache.length:
+            raise ValueError("load() needs an empty runner.")
+        self.cache.reserve(len(tokens))
+        pos = 0
+        for segment in segments:
+            n = segment.shape[3]
+            for layer, kv in zip(self.cache.layers, segment, strict=True):
+                layer[:, :, pos : pos + n] = kv
+            pos += n
+        if pos != len(tokens):
+            raise ValueError(f"Cached segments hold {pos} positions for {len(tokens)} tokens.")
+        self.cache.length = pos
+        self.tokens = list(tokens)
