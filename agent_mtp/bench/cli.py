@@ -38,6 +38,7 @@ DEFAULT_LIMIT = 4
 def register(app: typer.Typer) -> None:
     app.command()(bench)
     app.command()(ab)
+    app.command("bench-prefix")(bench_prefix)
 
 
 def bench(
@@ -185,6 +186,62 @@ def _write_outputs(report: BenchReport, out_dir: Path | None, json_out: Path | N
         json_out.write_text(text)
         written.append(json_out)
     return written
+
+
+def bench_prefix(
+    transcripts: Annotated[str, typer.Option(help="Transcript set ('agent') or a .jsonl path.")] = "agent",
+    mode: Annotated[str, typer.Option(help="Decode mode of every step.")] = "verified",
+    k_max: Annotated[int, typer.Option("--k-max")] = 4,
+    out_dir: Annotated[Path | None, typer.Option("--out", help="Folder for prefix.json and prefix.md.")] = Path(
+        "runs/bench-prefix"
+    ),
+    model: ModelOpt = "default",
+    adapter: AdapterOpt = None,
+    dtype: DtypeOpt = "float32",
+    runtime: RuntimeOpt = "auto",
+    threads: ThreadsOpt = None,
+) -> None:
+    """Multi-step agent transcripts (tool results fed back) with and without the prefix cache, side by side: TTFT
+    and latency per step, and whether the outputs are equal."""
+    from agent_mtp.bench.transcript import load_transcripts, run_transcripts
+    from agent_mtp.engine import DecodeConfig
+
+    set_threads(threads)
+    chosen = load_transcripts(transcripts)
+    config = DecodeConfig(mode=mode, k_max=k_max)  # type: ignore[arg-type]
+    engine = load_engine(model, adapter, dtype, runtime)
+    console.print(
+        f"[bold]{engine.model_id}[/bold] ({engine.runtime} runtime), {threads_in_use()} threads; "
+        f"{len(chosen)} transcripts, {sum(len(t.turns) + 1 for t in chosen)} steps, mode {mode}"
+    )
+    _ = engine.cost_curve  # measured (or loaded) before timing
+    with console.status("Warming up ..."):
+        engine.generate("Warm up.", DecodeConfig(mode=mode, k_max=k_max, max_new_tokens=8))  # type: ignore[arg-type]
+    table = _table("steps: with / without the prefix cache", ["transcript", "step", "prompt", "cached",
+                   "TTFT ms", "TTFT ms (no cache)", "latency s", "latency s (no cache)", "same output"])  # fmt: skip
+    report = run_transcripts(engine, chosen, config, on_step=lambda r: table.add_row(*_step_cells(r)))
+    out.print(table)
+    summary = _table("summary (ratios: with cache / without)", ["steps", "n", "prompt tokens", "cached share",
+                     "TTFT ms", "TTFT ms (no cache)", "TTFT ratio", "latency ratio", "all equal"])  # fmt: skip
+    for name, group in report.summary().items():
+        summary.add_row(name, *_summary_cells(group))
+    out.print(summary)
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "prefix.json").write_text(json.dumps(report.to_dict(), indent=1))
+        console.print(f"wrote {out_dir / 'prefix.json'}")
+
+
+def _step_cells(r: Any) -> list[str]:
+    return [r.transcript, str(r.step), str(r.prompt_tokens), str(r.cached_prompt_tokens),
+            f"{1000 * r.ttft_cached_s:.0f}", f"{1000 * r.ttft_plain_s:.0f}", f"{r.wall_cached_s:.2f}",
+            f"{r.wall_plain_s:.2f}", "yes" if r.equal else "NO"]  # fmt: skip
+
+
+def _summary_cells(s: dict[str, float]) -> list[str]:
+    return [str(int(s["steps"])), f"{s['prompt_tokens']:.0f}", _pct(s["cached_share"]), f"{s['ttft_cached_ms']:.0f}",
+            f"{s['ttft_plain_ms']:.0f}", f"{s['ttft_ratio']:.2f}", f"{s['latency_ratio']:.2f}",
+            "yes" if s["equal"] == 1.0 else "NO"]  # fmt: skip
 
 
 # -- tables ------------------------------------------------------------------------------------------------------

@@ -268,3 +268,28 @@ def test_peer_and_runtime_names_are_validated():
     for bad in ("hf-generate-fp32@hf", "llama-cpp@fast", "ntp@gpu"):
         with pytest.raises(ConfigError, match="Unknown bench variant"):
             variant_from_name(bad)
+
+
+def test_transcripts_with_and_without_prefix_cache(tmp_path: Path):
+    from agent_mtp.bench.transcript import load_transcripts, run_transcripts
+    from agent_mtp.errors import ConfigError
+
+    shipped = load_transcripts("agent")
+    assert len(shipped) >= 3 and all(t.turns and t.tools for t in shipped)
+    line = {"id": "x", "tools": [TOOL], "max_new_tokens": 12,
+            "messages": [{"role": "system", "content": "You help."}, {"role": "user", "content": "Weather in Paris?"}],
+            "turns": [{"role": "tool", "content": "18 degrees"},
+                      {"role": "user", "content": "And tomorrow?"}]}  # fmt: skip
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps(line) + "\n")
+    engine = _engine()
+    report = run_transcripts(engine, load_transcripts(str(path)), DecodeConfig(mode="verified", k_max=4))
+    assert [r.step for r in report.rows] == [1, 2, 3]
+    assert all(r.equal for r in report.rows)
+    assert report.rows[0].cached_prompt_tokens == 0
+    assert all(r.cached_prompt_tokens > r.prompt_tokens // 2 for r in report.rows[1:])
+    summary = report.summary()
+    assert set(summary) == {"step 1", "steps 2+"} and summary["steps 2+"]["equal"] == 1.0
+    path.write_text('{"id": "x", "messages": "nope", "turns": []}\n')
+    with pytest.raises(ConfigError, match=r"t\.jsonl:1"):
+        load_transcripts(str(path))
