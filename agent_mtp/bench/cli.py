@@ -23,6 +23,7 @@ from agent_mtp.cli_common import (
     set_threads,
     threads_in_use,
 )
+from agent_mtp.plotting import plotting_available
 
 if TYPE_CHECKING:
     from agent_mtp.bench.ab import ABReport
@@ -39,6 +40,7 @@ def register(app: typer.Typer) -> None:
     app.command()(bench)
     app.command()(ab)
     app.command("bench-prefix")(bench_prefix)
+    app.command("bench-curves")(bench_curves)
 
 
 def bench(
@@ -230,6 +232,44 @@ def bench_prefix(
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "prefix.json").write_text(json.dumps(report.to_dict(), indent=1))
         console.print(f"wrote {out_dir / 'prefix.json'}")
+
+
+def bench_curves(
+    context: Annotated[int, typer.Option(help="Tokens already in the cache before each timed pass.")] = 300,
+    rounds: Annotated[int, typer.Option(help="Interleaved rounds; the fastest sample of each size is kept.")] = 5,
+    out_dir: Annotated[Path | None, typer.Option("--out", help="Folder for curves.json and curves.png.")] = Path(
+        "runs/bench-curves"
+    ),
+    model: ModelOpt = "default",
+    adapter: AdapterOpt = None,
+    gguf: Annotated[Path | None, typer.Option(help="GGUF for the llama.cpp curve (default model: found).")] = None,
+    threads: ThreadsOpt = None,
+) -> None:
+    """Cost of a forward pass of 1-16 tokens on the HF forward, the fast runtime and llama.cpp, side by side."""
+    from agent_mtp.bench.curves import measure_curves, plot_curves
+    from agent_mtp.bench.llamacpp import LlamaCppPeer, gguf_for, unavailable_reason
+
+    set_threads(threads)
+    engine = load_engine(model, adapter, "float32")
+    missing = unavailable_reason(model, gguf)
+    peer = LlamaCppPeer(gguf_for(model, gguf)) if missing is None else None
+    if missing is not None:
+        console.print(f"[dim]llama.cpp curve skipped: {missing}[/dim]")
+    with console.status("Timing passes ..."):
+        report = measure_curves(engine, context=context, rounds=rounds, llama_cpp=peer)
+    table = _table(f"ms per pass ({context}-token context, {report.threads} threads; x = relative to 1 token)",
+                   ["runtime", *(f"{n} tok" for n in sorted(next(iter(report.ms.values()))))])  # fmt: skip
+    for name, curve in report.ms.items():
+        rel = report.relative(name)
+        table.add_row(name, *(f"{curve[n]:.1f} ({rel[n]:.2f}x)" for n in sorted(curve)))
+    out.print(table)
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "curves.json").write_text(json.dumps(report.to_dict(), indent=1))
+        written = [out_dir / "curves.json"]
+        if plotting_available():
+            written.append(plot_curves(report, out_dir / "curves.png"))
+        console.print("wrote " + ", ".join(str(p) for p in written))
 
 
 def _step_cells(r: Any) -> list[str]:

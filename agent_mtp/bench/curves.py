@@ -1,0 +1,113 @@
+"""Forward-pass cost curves side by side: the HF forward, the fast runtime and llama.cpp, in one process.
+
+For each runtime, a pass of n new tokens (n = 1, 2, 4, 8, 16) is timed on a cached prefix of ``context`` tokens; the
+sizes and runtimes are interleaved in rounds and the fastest sample of each is kept (contention only adds time).
+The engine's passes carry mask tokens (adapter rows, as MTP passes do) and return every row's logits the decoder
+reads; llama.cpp's passes return the last row's logits only (its default), which flatters it slightly.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from agent_mtp.engine import MTPEngine
+from agent_mtp.engine.engine import Runtime
+from agent_mtp.engine.fast import unsupported_reason
+
+SIZES = (1, 2, 4, 8, 16)
+
+
+@dataclass
+class CurveReport:
+    context: int
+    threads: int
+    ms: dict[str, dict[int, float]] = field(default_factory=dict)
+    """runtime -> tokens per pass -> fastest time in ms."""
+
+    def relative(self, runtime: str) -> dict[int, float]:
+        base = self.ms[runtime][1]
+        return {n: t / base for n, t in self.ms[runtime].items()}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "context": self.context,
+            "threads": self.threads,
+            "ms": {r: {str(n): round(t, 3) for n, t in c.items()} for r, c in self.ms.items()},
+            "relative": {r: {str(n): round(x, 3) for n, x in self.relative(r).items()} for r in self.ms},
+        }
+
+
+def _engine_pass(engine: MTPEngine, prefix: list[int]) -> Callable[[int], None]:
+    runner = engine.new_runner()
+    runner.forward(prefix, 1)
+
+    def run(n: int) -> None:
+        runner.forward([prefix[-1]] + [engine.mask_token_id] * (n - 1), n)
+        runner.drop(n)
+
+    return run
+
+
+def _llama_cpp_pass(peer: Any, prefix: list[int]) -> Callable[[int], None]:
+    llm = peer.llm
+    llm.reset()
+    llm.eval(prefix)
+
+    def run(n: int) -> None:
+        llm.n_tokens = len(prefix)  # eval() removes every position from here on first
+        llm.eval(prefix[-n:] if n <= len(prefix) else prefix[-1:] * n)
+
+    return run
+
+
+def measure_curves(
+    engine: MTPEngine, *, context: int = 300, rounds: int = 5, llama_cpp: Any = None, seed: int = 0
+) -> CurveReport:
+    """Time n-token passes on every runtime (``engine``'s model on "hf" and "fast", plus ``llama_cpp`` if given)."""
+    high = min(1000, engine.mask_token_id)
+    prefix = [int(t) for t in torch.randint(3, high, (context,), generator=torch.Generator().manual_seed(seed))]
+    runtimes: tuple[Runtime, ...] = ("hf", "fast") if unsupported_reason(engine.model) is None else ("hf",)
+    passes: dict[str, Callable[[int], None]] = {r: _engine_pass(engine.with_runtime(r), prefix) for r in runtimes}
+    if llama_cpp is not None:
+        passes["llama.cpp"] = _llama_cpp_pass(llama_cpp, prefix)
+    report = CurveReport(context, torch.get_num_threads(), {name: {} for name in passes})
+    for run in passes.values():  # warm-up
+        run(1)
+        run(4)
+    for _ in range(rounds):
+        for n in SIZES:
+            for name, run in passes.items():
+                start = time.perf_counter()
+                run(n)
+                ms = 1000 * (time.perf_counter() - start)
+                report.ms[name][n] = min(report.ms[name].get(n, ms), ms)
+    return report
+
+
+def plot_curves(report: CurveReport, path: Path) -> Path:
+    """Pass cost in ms by tokens per pass, one line per runtime (PNG)."""
+    from agent_mtp.plotting import pyplot
+
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    for name, curve in report.ms.items():
+        ns = sorted(curve)
+        ax.plot(ns, [curve[n] for n in ns], marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(list(SIZES), [str(n) for n in SIZES])
+    ax.set_xlabel("tokens per forward pass")
+    ax.set_ylabel("ms per pass (fastest of rounds)")
+    ax.set_title(f"Forward pass cost, {report.context}-token context, {report.threads} threads")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
