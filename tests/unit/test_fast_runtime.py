@@ -194,3 +194,31 @@ def test_runtime_choice_is_validated() -> None:
 
 def _loaded(engine: MTPEngine) -> LoadedModel:
     return LoadedModel(engine.model, engine.tokenizer, engine.model_id, engine.mask_token, engine.mask_token_id, False)
+
+
+def test_batched_pass_equals_separate_passes(engine: MTPEngine) -> None:
+    """Several sequences in one pass (continuous batching): each gets what it gets alone, across steps."""
+    from agent_mtp.engine.fast import BatchItem
+
+    fast = engine.new_runner()
+    assert isinstance(fast, FastRunner)
+    model = fast.model
+    m = engine.mask_token_id
+    prompts = [_random_ids(12, 20), _random_ids(3, 21), _random_ids(40, 22)]
+    alone = [model.new_cache() for _ in prompts]
+    batched = [model.new_cache() for _ in prompts]
+    steps = [prompts, [[5, m, m], [6], [7, 8, m, m, m]], [[9], [10, m], [11]]]
+    for feeds in steps:
+        keeps = [len(f) if m in f else 1 for f in feeds]
+        expected = [model.forward(f, c, k) for f, c, k in zip(feeds, alone, keeps, strict=True)]
+        got = model.forward_batch([BatchItem(f, c, k) for f, c, k in zip(feeds, batched, keeps, strict=True)])
+        for a, b in zip(expected, got, strict=True):
+            torch.testing.assert_close(b, a, atol=ATOL, rtol=1e-4)
+        for c_alone, c_batched, f in zip(alone, batched, feeds, strict=True):
+            drop = sum(t == m for t in f)
+            c_alone.truncate(c_alone.length - drop)
+            c_batched.truncate(c_batched.length - drop)
+    with pytest.raises(ValueError, match="share one KV cache"):
+        model.forward_batch([BatchItem([1], batched[0], 1), BatchItem([2], batched[0], 1)])
+    with pytest.raises(ValueError, match="keep"):
+        model.forward_batch([BatchItem([1, 2], batched[1], 3)])

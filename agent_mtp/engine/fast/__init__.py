@@ -11,7 +11,7 @@ separate fast path checked against it (``tests/unit/test_fast_runtime.py``):
   (:mod:`.model`), behind the engine's ``Runner`` protocol (:mod:`.runner`).
 """
 
-from agent_mtp.engine.fast.model import FastModel, unsupported_reason
+from agent_mtp.engine.fast.model import BatchItem, FastModel, unsupported_reason
 from agent_mtp.engine.fast.runner import FastRunner
 
-__all__ = ["FastModel", "FastRunner", "unsupported_reason"]
+__all__ = ["BatchItem", "FastModel", "FastRunner", "unsupported_reason"]

@@ -29,6 +29,26 @@ SDPA_FROM_ROWS = 32
 """Passes of at least this many new tokens (prefill) use SDPA; shorter ones three small batched GEMMs."""
 
 
+@dataclass(frozen=True)
+class BatchItem:
+    """One sequence's share of a batched pass: new tokens, its own KV cache, and how many logits rows it reads."""
+
+    tokens: Sequence[int]
+    cache: KVCache
+    keep: int
+
+
+@dataclass(frozen=True)
+class _Segment:
+    row_start: int
+    row_end: int
+    start: int
+    """Cache position of the segment's first new token."""
+    cache: KVCache
+    rope: torch.Tensor
+    bias: torch.Tensor | None
+
+
 def unsupported_reason(model: Any) -> str | None:
     """Why the fast runtime cannot run ``model`` (None when it can)."""
     config = getattr(model, "config", None)
@@ -199,50 +219,72 @@ class FastModel:
     @torch.no_grad()
     def forward(self, tokens: Sequence[int], cache: KVCache, keep: int) -> torch.Tensor:
         """Append ``tokens`` at ``cache.length``; return fp32 logits of the last ``keep`` of them [keep, V]."""
-        n = len(tokens)
-        start, end = cache.length, cache.length + n
-        cache.reserve(n)
-        ids = torch.tensor(tokens, dtype=torch.long)  # [n]
-        x = F.embedding(ids, self.embed)  # [n, H]
+        return self.forward_batch([BatchItem(tokens, cache, keep)])[0]
+
+    @torch.no_grad()
+    def forward_batch(self, items: Sequence[BatchItem]) -> list[torch.Tensor]:
+        """One pass over several sequences (continuous batching): every GEMM runs once over all their new rows,
+        attention runs per sequence against its own cache. Returns each item's logits [keep, V], in order."""
+        if not items:
+            return []
+        segments = self._segments(items)
+        tokens = [t for item in items for t in item.tokens]
+        x = F.embedding(torch.tensor(tokens, dtype=torch.long), self.embed)  # [N, H]
         rows = _mask_rows(tokens, self.mask_token_id)
         if rows is not None and self.mask_embedding is not None:
             x[rows] = self.mask_embedding
-        rope = self._rope_rows(start, end)
-        bias = self._attention_bias(n, start) if 1 < n < SDPA_FROM_ROWS else None
-        for layer, kv in zip(self.layers, cache.layers, strict=True):
-            self._layer(layer, kv, x, start, rope, bias, rows)
-        cache.length = end
-        h = F.rms_norm(x[n - keep :], (x.shape[-1],), self.final_norm, self.eps)
-        return self.lm_head(h)
+        rope = segments[0].rope if len(segments) == 1 else torch.cat([seg.rope for seg in segments])  # [N, 1, d/2]
+        for i, layer in enumerate(self.layers):
+            self._layer(layer, i, x, segments, rope, rows)
+        for item in items:
+            item.cache.length += len(item.tokens)
+        kept = [x[seg.row_end - item.keep : seg.row_end] for seg, item in zip(segments, items, strict=True)]
+        h = kept[0] if len(kept) == 1 else torch.cat(kept)
+        logits = self.lm_head(F.rms_norm(h, (x.shape[-1],), self.final_norm, self.eps))  # [sum keep, V]
+        return list(logits.split([item.keep for item in items])) if len(items) > 1 else [logits]
+
+    def _segments(self, items: Sequence[BatchItem]) -> list[_Segment]:
+        segments: list[_Segment] = []
+        row = 0
+        for item in items:
+            n = len(item.tokens)
+            if n < 1 or not 1 <= item.keep <= n:
+                raise ValueError(f"A batch item needs >= 1 token and 1 <= keep <= tokens; got {n} and {item.keep}.")
+            if any(item.cache is other.cache for other in items[: len(segments)]):
+                raise ValueError("Two batch items share one KV cache; each sequence needs its own.")
+            item.cache.reserve(n)
+            start = item.cache.length
+            bias = self._attention_bias(n, start) if 1 < n < SDPA_FROM_ROWS else None
+            segments.append(_Segment(row, row + n, start, item.cache, self._rope_rows(start, start + n), bias))
+            row += n
+        return segments
 
     def _layer(
         self,
         layer: _Layer,
-        kv: torch.Tensor,
+        index: int,
         x: torch.Tensor,
-        start: int,
+        segments: list[_Segment],
         rope: torch.Tensor,
-        bias: torch.Tensor | None,
         rows: slice | torch.Tensor | None,
     ) -> None:
         n, hidden = x.shape
-        end = start + n
         h = F.rms_norm(x, (hidden,), layer.input_norm, self.eps)
-        qkv = layer.qkv(h)  # [n, q + 2 kv]
+        qkv = layer.qkv(h)  # [N, q + 2 kv]
         if rows is not None and layer.lora_qkv is not None:
             layer.lora_qkv.apply(qkv, h, rows)
         if layer.q_norm is not None and layer.k_norm is not None:
             self._qk_norm(qkv, layer.q_norm, layer.k_norm)
         qk = qkv[:, : self.q_dim + self.kv_dim].view(n, self.num_heads + self.kv_heads, self.head_dim // 2, 2)
         torch.view_as_complex(qk).mul_(rope)
-        kv[:, :, start:end] = qkv[:, self.q_dim :].view(n, 2, self.kv_heads, self.head_dim).permute(1, 2, 0, 3)
-        attended = self._attend(qkv[:, : self.q_dim], kv[:, :, :end], start, bias)  # [n, q]
+        parts = [self._attend_segment(qkv, seg, index) for seg in segments]
+        attended = parts[0] if len(parts) == 1 else torch.cat(parts)  # [N, q]
         out = layer.o(attended)
         if rows is not None and layer.lora_o is not None:
             layer.lora_o.apply(out, attended, rows)
         x.add_(out)
         h = F.rms_norm(x, (hidden,), layer.post_norm, self.eps)
-        gate_up = layer.gate_up(h)  # [n, 2 I]
+        gate_up = layer.gate_up(h)  # [N, 2 I]
         if rows is not None and layer.lora_gate_up is not None:
             layer.lora_gate_up.apply(gate_up, h, rows)
         inter = gate_up.shape[1] // 2
@@ -252,6 +294,14 @@ class FastModel:
         if rows is not None and layer.lora_down is not None:
             layer.lora_down.apply(down, act, rows)
         x.add_(down)
+
+    def _attend_segment(self, qkv: torch.Tensor, seg: _Segment, index: int) -> torch.Tensor:
+        """Write one sequence's new keys/values into its cache, attend its queries to its cache: [n, q]."""
+        n, end = seg.row_end - seg.row_start, seg.start + seg.row_end - seg.row_start
+        kv = seg.cache.layers[index]
+        rows = qkv[seg.row_start : seg.row_end]
+        kv[:, :, seg.start : end] = rows[:, self.q_dim :].view(n, 2, self.kv_heads, self.head_dim).permute(1, 2, 0, 3)
+        return self._attend(rows[:, : self.q_dim], kv[:, :, :end], seg.start, seg.bias)
 
     def _qk_norm(self, qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor) -> None:
         n, d = qkv.shape[0], self.head_dim

@@ -12,6 +12,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+PACK_BATCH_HINT = 8
+"""Rows oneDNN lays the packed weights out for: measured here, packing for 8 rows is as fast as the default at 1-4
+rows and ~8% faster at 8 (a hint of 1 is ~1.5x slower everywhere)."""
+
 
 def _can_prepack(weight: torch.Tensor) -> bool:
     return (
@@ -30,7 +34,7 @@ class PackedLinear:
         self.bias = bias.detach().contiguous() if bias is not None else None
         self.packed = prepack and _can_prepack(weight)
         dense = weight.detach().contiguous()
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(dense) if self.packed else dense
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(dense, PACK_BATCH_HINT) if self.packed else dense
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [n, in] -> [n, out]."""
