@@ -185,31 +185,52 @@ class MTPEngine:
         config: DecodeConfig | None = None,
         *,
         constraint: TokenConstraint | None = None,
+        runner: Runner | None = None,
         _reference: bool = False,
     ) -> Generator[StreamChunk, None, None]:
-        """Yield one chunk per forward pass; the last chunk has ``finish_reason`` and ``stats``."""
+        """Yield one chunk per forward pass; the last chunk has ``finish_reason`` and ``stats``.
+
+        ``runner``: an empty runner to decode on instead of a new one of this engine's runtime, for callers that
+        own the model's concurrency (a batch scheduler whose runners share passes). Generations are then not
+        serialised by the engine's lock; the prefix cache is still read and kept (it is thread-safe)."""
         started = time.perf_counter()
         cfg = config or DecodeConfig()
         ids = self.encode_prompt(prompt)
         cfg = self._fit_to_context(cfg, len(ids))
         curve = self.cost_curve if needs_cost_curve(cfg) else None
         setup = DecodeSetup(self.mask_token_id, self.eos_token_ids, Planner.for_config(cfg, curve))
+        if runner is not None:
+            if runner.length:
+                raise ValueError(f"stream(runner=...) needs an empty runner; this one holds {runner.length} tokens.")
+            yield from self._decode(runner, ids, cfg, setup, constraint, started)
+            return
         with self._lock:
-            runner: Runner = ReferenceRunner(self.model) if _reference else self.new_runner()
-            reuse = cfg.prefix_cache and self.prefix_cache.budget_bytes > 0 and isinstance(runner, PrefixRunner)
-            if reuse:
-                self._restore_prefix(cast(PrefixRunner, runner), ids)
-            tracker = TextTracker(self.tokenizer, cfg.stop)
-            finished = False
-            try:
-                yield from decode(runner, ids, cfg, setup, tracker, constraint=constraint, started_at=started)
-                finished = True
-            except GeneratorExit:  # the caller stopped reading between passes: the cache is consistent
-                finished = True
-                raise
-            finally:
-                if reuse and finished:
-                    self._keep_prefix(cast(PrefixRunner, runner))
+            own: Runner = ReferenceRunner(self.model) if _reference else self.new_runner()
+            yield from self._decode(own, ids, cfg, setup, constraint, started)
+
+    def _decode(
+        self,
+        runner: Runner,
+        ids: list[int],
+        cfg: DecodeConfig,
+        setup: DecodeSetup,
+        constraint: TokenConstraint | None,
+        started: float,
+    ) -> Generator[StreamChunk, None, None]:
+        reuse = cfg.prefix_cache and self.prefix_cache.budget_bytes > 0 and isinstance(runner, PrefixRunner)
+        if reuse:
+            self._restore_prefix(cast(PrefixRunner, runner), ids)
+        tracker = TextTracker(self.tokenizer, cfg.stop)
+        finished = False
+        try:
+            yield from decode(runner, ids, cfg, setup, tracker, constraint=constraint, started_at=started)
+            finished = True
+        except GeneratorExit:  # the caller stopped reading between passes: the cache is consistent
+            finished = True
+            raise
+        finally:
+            if reuse and finished:
+                self._keep_prefix(cast(PrefixRunner, runner))
 
     def _restore_prefix(self, runner: PrefixRunner, ids: list[int]) -> None:
         """Load the longest cached prefix of ``ids`` (all but the last token: its logits start decoding)."""
@@ -230,13 +251,14 @@ class MTPEngine:
         config: DecodeConfig | None = None,
         *,
         constraint: TokenConstraint | None = None,
+        runner: Runner | None = None,
         _reference: bool = False,
     ) -> GenerationResult:
         """Decode to the end and return text, token ids, finish reason and stats."""
         text: list[str] = []
         ids: list[int] = []
         last: StreamChunk | None = None
-        for chunk in self.stream(prompt, config, constraint=constraint, _reference=_reference):
+        for chunk in self.stream(prompt, config, constraint=constraint, runner=runner, _reference=_reference):
             text.append(chunk.text)
             ids += chunk.token_ids
             last = chunk

@@ -222,3 +222,20 @@ def test_batched_pass_equals_separate_passes(engine: MTPEngine) -> None:
         model.forward_batch([BatchItem([1], batched[0], 1), BatchItem([2], batched[0], 1)])
     with pytest.raises(ValueError, match="keep"):
         model.forward_batch([BatchItem([1, 2], batched[1], 3)])
+
+
+def test_generate_on_a_caller_owned_runner_from_threads() -> None:
+    """stream/generate(runner=...): callers that own concurrency (a batch scheduler) decode in parallel threads."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    engine = tiny_engine(adapter=True)
+    cfg = DecodeConfig(mode="verified", k_max=4, max_new_tokens=20, prefix_cache=False)
+    prompts = [_random_ids(8 + i, 30 + i) for i in range(4)]
+    expected = [engine.generate(p, cfg).token_ids for p in prompts]
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda p: engine.generate(p, cfg, runner=engine.new_runner()).token_ids, prompts))
+    assert got == expected
+    used = engine.new_runner()
+    used.forward([5, 6], 1)
+    with pytest.raises(ValueError, match="empty runner"):
+        engine.generate(prompts[0], cfg, runner=used)
