@@ -83,6 +83,9 @@ def decode(
     if cached >= len(prompt_ids):
         raise ValueError(f"The runner holds {cached} tokens of a {len(prompt_ids)}-token prompt; at most all but one.")
     stats = DecodeStats(mode=cfg.mode, prompt_tokens=len(prompt_ids), cached_prompt_tokens=cached)
+    share_curve = getattr(runner, "share_curve", None)  # a runner whose passes are shared (engine/batching.py)
+    if share_curve is not None and setup.planner.curve is not None:
+        setup.planner.curve = share_curve(setup.planner.curve)
     generator = torch.Generator().manual_seed(cfg.seed) if cfg.seed is not None else None
     state = _State(pending=list(prompt_ids[cached:]), context=list(prompt_ids))
     if cfg.mode == "verified":

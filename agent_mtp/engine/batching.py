@@ -1,0 +1,287 @@
+"""Continuous batching: concurrent generations share forward passes on one :class:`FastModel`.
+
+Each generation keeps the whole decode loop (planner, drafts, grammar, stop strings, prefix cache) and decodes in
+its own thread on a :class:`BatchingRunner`; the runner's ``forward`` hands its rows to the scheduler thread and
+waits. The scheduler collects rows until every active sequence has submitted (or ``window_s`` has passed since the
+first one arrived), runs one :meth:`FastModel.forward_batch` over all of them (every GEMM once, attention per
+sequence against its own KV cache) and wakes the callers. Sequences join and leave between passes::
+
+    batched = BatchedEngine(engine)                  # an engine whose generations share passes
+    batched.generate(prompt, config)                 # from many threads at once; equals engine.generate (greedy)
+    batched.close()
+
+Under batching a sequence's extra rows (drafts, masks) lengthen a pass every active sequence waits for, so each
+runner gives its planner a :class:`SharedPassCurve`: the marginal cost of its rows in a pass that already carries
+the others' rows, weighted by how many sequences wait for it. Drafts and masks shrink as concurrency grows and
+come back when the machine is idle; output stays what the mode gives alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Generator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from agent_mtp.engine.config import DecodeConfig
+from agent_mtp.engine.constraints import TokenConstraint
+from agent_mtp.engine.cost import CostCurve
+from agent_mtp.engine.engine import MTPEngine, Prompt
+from agent_mtp.engine.fast import BatchItem, FastModel, FastRunner
+from agent_mtp.engine.results import GenerationResult, StreamChunk
+
+log = logging.getLogger("agent_mtp.engine.batching")
+
+DEFAULT_WINDOW_S = 0.002
+"""How long a pass waits for sequences that have not submitted yet (they are between passes: sampling, grammar)."""
+
+
+@dataclass
+class _Job:
+    runner: BatchingRunner
+    item: BatchItem
+    done: threading.Event = field(default_factory=threading.Event)
+    logits: torch.Tensor | None = None
+    error: BaseException | None = None
+
+
+@dataclass(frozen=True)
+class PassStats:
+    """What the scheduler has run so far."""
+
+    passes: int
+    sequences: int
+    """Sequence-passes (the sum over passes of the sequences in each)."""
+    rows: int
+    active: int
+
+    @property
+    def mean_batch(self) -> float:
+        return self.sequences / self.passes if self.passes else 0.0
+
+
+class BatchScheduler:
+    """Owns a :class:`FastModel`; runs one batched forward per pass over every active sequence's rows."""
+
+    def __init__(self, model: FastModel, *, window_s: float = DEFAULT_WINDOW_S) -> None:
+        if not 0 <= window_s < 1:
+            raise ValueError(f"window_s={window_s!r} is invalid; use seconds in [0, 1), e.g. 0.002.")
+        self.model = model
+        self.window_s = window_s
+        self._cond = threading.Condition()
+        self._active: set[BatchingRunner] = set()
+        self._jobs: list[_Job] = []
+        self._last_rows: dict[BatchingRunner, int] = {}
+        self._closed = False
+        self._passes = self._sequences = self._rows = 0
+        self._thread = threading.Thread(target=self._loop, name="agent-mtp-batch", daemon=True)
+        self._thread.start()
+
+    # -- runners ------------------------------------------------------------------------------------------------
+    def runner(self) -> BatchingRunner:
+        """A new empty sequence that takes part in every pass until :meth:`BatchingRunner.close`."""
+        runner = BatchingRunner(self)
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("The batch scheduler is closed.")
+            self._active.add(runner)
+        runner.shared_load = self.load(runner)
+        return runner
+
+    def load(self, runner: BatchingRunner) -> tuple[int, int]:
+        """(other active sequences, rows they fed in their last pass) as ``runner`` sees the machine now."""
+        with self._cond:
+            others = [r for r in self._active if r is not runner]
+            return len(others), sum(max(self._last_rows.get(r, 1), 1) for r in others)
+
+    def stats(self) -> PassStats:
+        with self._cond:
+            return PassStats(self._passes, self._sequences, self._rows, len(self._active))
+
+    def close(self) -> None:
+        """Stop the scheduler thread; waiting callers get an error."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout=5)
+
+    def _leave(self, runner: BatchingRunner) -> None:
+        with self._cond:
+            self._active.discard(runner)
+            self._last_rows.pop(runner, None)
+            self._cond.notify_all()  # a pass may be waiting for this sequence
+
+    def _submit(self, job: _Job) -> None:
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("The batch scheduler is closed.")
+            self._jobs.append(job)
+            self._cond.notify_all()
+
+    # -- the pass loop ------------------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            batch = self._collect()
+            if batch is None:
+                return
+            self._run(batch)
+
+    def _collect(self) -> list[_Job] | None:
+        with self._cond:
+            while not self._jobs and not self._closed:
+                self._cond.wait()
+            if self._closed:
+                for job in self._jobs:
+                    job.error = RuntimeError("The batch scheduler closed before this pass ran.")
+                    job.done.set()
+                return None
+            deadline = time.perf_counter() + self.window_s
+            while len(self._jobs) < len(self._active) and not self._closed:
+                left = deadline - time.perf_counter()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+            batch, self._jobs = self._jobs, []
+            for job in batch:
+                self._last_rows[job.runner] = len(job.item.tokens)
+            return batch
+
+    def _run(self, batch: list[_Job]) -> None:
+        try:
+            with torch.no_grad():
+                outputs = self.model.forward_batch([job.item for job in batch])
+        except BaseException as e:  # every caller gets the error; the scheduler keeps running
+            for job in batch:
+                job.error = e
+                job.done.set()
+            return
+        with self._cond:
+            self._passes += 1
+            self._sequences += len(batch)
+            self._rows += sum(len(job.item.tokens) for job in batch)
+        for job, logits in zip(batch, outputs, strict=True):
+            job.logits = logits
+            job.done.set()
+
+
+class BatchingRunner(FastRunner):
+    """A :class:`FastRunner` whose forward passes run inside the scheduler's batched passes."""
+
+    def __init__(self, scheduler: BatchScheduler) -> None:
+        super().__init__(scheduler.model)
+        self.scheduler = scheduler
+        self._closed = False
+        self.shared_load: tuple[int, int] = (0, 0)
+        """(other sequences, their rows) after this sequence's last pass: what its planner budgets against."""
+
+    def forward(self, tokens: list[int], keep: int) -> torch.Tensor:
+        if self._closed:
+            raise RuntimeError("This runner left the batch; start a new one.")
+        job = _Job(self, BatchItem(tokens, self.cache, keep))
+        self.scheduler._submit(job)
+        job.done.wait()
+        if job.error is not None:
+            raise job.error
+        assert job.logits is not None
+        self.tokens += tokens
+        self.shared_load = self.scheduler.load(self)
+        return job.logits
+
+    def share_curve(self, base: CostCurve) -> CostCurve:
+        """The planner's curve for this sequence's passes (read by the decode loop)."""
+        return SharedPassCurve(base, self)
+
+    def close(self) -> None:
+        """Leave the batch (the scheduler stops waiting for this sequence at once)."""
+        if not self._closed:
+            self._closed = True
+            self.scheduler._leave(self)
+
+
+class SharedPassCurve(CostCurve):
+    """Cost of feeding n rows in a pass shared with other sequences, relative to feeding one.
+
+    With ``B`` sequences in the pass (this one included) whose others feed ``R`` rows, going from one row to n
+    lengthens the pass by ``C(R + n) - C(R + 1)`` for all ``B`` of them, so this sequence's n-row pass costs
+    ``1 + B * (C(R + n) - C(R + 1)) / C(R + 1)``: maximising tokens per unit of this cost is maximising the
+    aggregate tokens per second. Alone (B = 1, R = 0) it is the base curve.
+    """
+
+    _base: CostCurve
+    _runner: BatchingRunner
+
+    def __init__(self, base: CostCurve, runner: BatchingRunner) -> None:
+        object.__setattr__(self, "points", base.points)
+        object.__setattr__(self, "_base", base)
+        object.__setattr__(self, "_runner", runner)
+
+    def cost(self, n: int) -> float:
+        others, rows = self._runner.shared_load
+        return shared_pass_cost(self._base, n, others=others, other_rows=rows)
+
+
+def shared_pass_cost(base: CostCurve, n: int, *, others: int, other_rows: int) -> float:
+    """See :class:`SharedPassCurve`."""
+    if others == 0:
+        return base.cost(n)
+    one = base.cost(other_rows + 1)
+    return 1.0 + (others + 1) * (base.cost(other_rows + n) - one) / one
+
+
+class BatchedEngine:
+    """An :class:`MTPEngine` whose concurrent generations share forward passes (one :class:`BatchScheduler`).
+
+    ``generate`` / ``stream`` take the engine's arguments and may be called from many threads at once; greedy
+    output equals the engine's own. Everything else (tokenizer, ``encode_prompt``, ``score``, ``model_id``, the
+    prefix cache) is the wrapped engine's. An engine on the Hugging Face runtime cannot batch: its generations are
+    serialised by its lock as before.
+    """
+
+    def __init__(self, engine: MTPEngine, *, window_s: float = DEFAULT_WINDOW_S) -> None:
+        self.engine = engine
+        self.scheduler: BatchScheduler | None = None
+        if engine.runtime == "fast":
+            fast = engine.new_runner()
+            assert isinstance(fast, FastRunner)
+            self.scheduler = BatchScheduler(fast.model, window_s=window_s)
+        else:
+            log.info("The %s runtime cannot batch; generations are serialised", engine.runtime)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
+
+    def stream(
+        self, prompt: Prompt, config: DecodeConfig | None = None, *, constraint: TokenConstraint | None = None
+    ) -> Generator[StreamChunk, None, None]:
+        if self.scheduler is None:
+            yield from self.engine.stream(prompt, config, constraint=constraint)
+            return
+        runner = self.scheduler.runner()
+        try:
+            yield from self.engine.stream(prompt, config, constraint=constraint, runner=runner)
+        finally:
+            runner.close()
+
+    def generate(
+        self, prompt: Prompt, config: DecodeConfig | None = None, *, constraint: TokenConstraint | None = None
+    ) -> GenerationResult:
+        text: list[str] = []
+        ids: list[int] = []
+        last: StreamChunk | None = None
+        for chunk in self.stream(prompt, config, constraint=constraint):
+            text.append(chunk.text)
+            ids += chunk.token_ids
+            last = chunk
+        assert last is not None and last.stats is not None and last.finish_reason is not None
+        return GenerationResult("".join(text), ids, last.finish_reason, last.stats)
+
+    def close(self) -> None:
+        if self.scheduler is not None:
+            self.scheduler.close()
+
+
+__all__ = ["BatchScheduler", "BatchedEngine", "BatchingRunner", "PassStats", "SharedPassCurve", "shared_pass_cost"]
