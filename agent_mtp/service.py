@@ -31,6 +31,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, InstanceOf, SkipValidation
 
 from agent_mtp.engine import DecodeConfig, DecodeStats, GenerationResult, MTPEngine
+from agent_mtp.engine.batching import BatchedEngine
 from agent_mtp.engine.grammar import CompiledGrammar, GrammarSpec, compile_for_engine
 from agent_mtp.engine.loading import DEFAULT_MODEL_ALIASES
 from agent_mtp.engine.prompt import render_messages
@@ -228,10 +229,25 @@ class _Prepared:
 
 
 class Service:
-    """The request path over one engine; thread-safe (the engine serialises generations)."""
+    """The request path over one engine; thread-safe.
 
-    def __init__(self, engine: MTPEngine, *, recorder: Recorder | None = None, breaker_store: str | None = None):
+    ``concurrency``: "serial" (default) lets the engine serialise generations behind its lock; "batched" runs
+    concurrent requests in shared forward passes (:class:`~agent_mtp.engine.batching.BatchedEngine`: continuous
+    batching, greedy output unchanged; what the server uses). :meth:`close` stops the batch scheduler."""
+
+    def __init__(
+        self,
+        engine: MTPEngine,
+        *,
+        recorder: Recorder | None = None,
+        breaker_store: str | None = None,
+        concurrency: Literal["serial", "batched"] = "serial",
+    ):
+        if concurrency not in ("serial", "batched"):
+            raise ConfigError(f"concurrency={concurrency!r} is invalid; use 'serial' or 'batched'.")
         self.engine = engine
+        self.decoder: Any = BatchedEngine(engine) if concurrency == "batched" else engine
+        """What decodes: the engine, or the engine behind a batch scheduler."""
         self.recorder = recorder
         self.breaker_store = breaker_store
         self._controllers: dict[Any, tuple[Any, PolicyController]] = {}
@@ -262,7 +278,7 @@ class Service:
         text: list[str] = []
         ids: list[int] = []
         first, tool_calls = True, 0
-        for piece in self.engine.stream(call.prompt_ids, plan.config, constraint=constraint):
+        for piece in self.decoder.stream(call.prompt_ids, plan.config, constraint=constraint):
             if cancel is not None and cancel.is_set():
                 return
             text.append(piece.text)
@@ -301,6 +317,11 @@ class Service:
         cancel = threading.Event()
         async for delta in _iterate_in_thread(self.stream(request, cancel=cancel), cancel):
             yield delta
+
+    def close(self) -> None:
+        """Stop the batch scheduler (concurrency="batched"); in-flight generations get an error."""
+        if isinstance(self.decoder, BatchedEngine):
+            self.decoder.close()
 
     def prompt_ids(self, request: Request) -> list[int]:
         """The token ids the model reads for ``request`` (tool block and answer-format instruction included)."""
@@ -346,7 +367,7 @@ class Service:
             if entry is None or entry[0] is not policy:
                 source = FIXED_POLICY if policy is None else policy
                 controller = PolicyController(
-                    self.engine, source, recorder=self.recorder, breaker_store=self.breaker_store
+                    self.decoder, source, recorder=self.recorder, breaker_store=self.breaker_store
                 )
                 entry = (policy, controller)
                 self._controllers[key] = entry

@@ -91,3 +91,25 @@ def test_hf_runtime_engine_is_served_serially() -> None:
     cfg = CONFIGS[1]
     hf.set_cost_curve(CURVE)
     assert batched.generate(_ids(7, 3), cfg).token_ids == hf.generate(_ids(7, 3), cfg).token_ids
+
+
+def test_service_in_batched_mode_equals_serial(engine: MTPEngine) -> None:
+    from agent_mtp.service import Limits, Request, Service
+
+    requests = [
+        Request(
+            messages=({"role": "user", "content": f"question {i}"},),
+            policy=None,
+            decode=CONFIGS[i % 2],
+            limits=Limits(max_tokens=12 + i),
+        )
+        for i in range(4)
+    ]
+    expected = [Service(engine).generate(r).generation.token_ids for r in requests]
+    service = Service(engine, concurrency="batched")
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(lambda r: service.generate(r).generation.token_ids, requests))
+    finally:
+        service.close()
+    assert got == expected
