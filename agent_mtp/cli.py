@@ -34,6 +34,7 @@ PART_CLIS = (
     "agent_mtp.telemetry.cli",
     "agent_mtp.training.cli",
     "agent_mtp.bench.cli",
+    "agent_mtp.server.cli",
 )
 
 

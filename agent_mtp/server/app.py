@@ -1,0 +1,121 @@
+"""The app factory: routes, authentication, the worker threads and the service's lifetime.
+
+app = create_app(ServerSettings(policy="default"))            # loads the model at startup
+app = create_app(settings, service=Service(engine, concurrency="batched"))   # tests: an engine you built
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from agent_mtp.server.errors import ServerError, install_handlers
+from agent_mtp.server.protocol import ChatCompletionRequest, ModelCard, ModelList
+from agent_mtp.server.serving import ChatServing
+from agent_mtp.server.settings import ServerSettings
+from agent_mtp.service import Service
+
+log = logging.getLogger("agent_mtp.server")
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def build_service(settings: ServerSettings) -> Service:
+    """Load the engine and the telemetry sink the way AgentMTPChat does (shared engine, Redis telemetry)."""
+    from agent_mtp.service import shared_engine
+    from agent_mtp.telemetry import Telemetry
+
+    if settings.threads is not None:
+        import torch
+
+        torch.set_num_threads(settings.threads)
+    engine = shared_engine(settings.model, adapter=settings.adapter, dtype=settings.dtype)
+    if settings.runtime != "auto":
+        engine = engine.with_runtime(settings.runtime)
+    redis_url = settings.redis_url.get_secret_value() if settings.redis_url is not None else None
+    recorder = Telemetry(redis_url)
+    breaker = settings.breaker_store.get_secret_value() if settings.breaker_store is not None else None
+    return Service(engine, recorder=recorder, breaker_store=breaker, concurrency=settings.concurrency)
+
+
+def create_app(settings: ServerSettings | None = None, *, service: Service | None = None) -> FastAPI:
+    """The ASGI app of one deployment. Without ``service`` the model loads at startup (``build_service``)."""
+    settings = settings or ServerSettings()
+    state: dict[str, Any] = {}
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        own = service is None
+        svc = service if service is not None else await asyncio.to_thread(build_service, settings)
+        # one worker thread per decoding request (the default pool has min(32, cpus + 4) threads)
+        pool = ThreadPoolExecutor(settings.max_active + 4, thread_name_prefix="agent-mtp-serve")
+        asyncio.get_running_loop().set_default_executor(pool)
+        state["serving"] = ChatServing(svc, settings)
+        state["started"] = int(time.time())
+        log.info("Serving %s on %s runtime (%s)", settings.model_name, svc.engine.runtime, settings.concurrency)
+        try:
+            yield
+        finally:
+            state.pop("serving", None)
+            if own:
+                svc.close()
+                recorder = svc.recorder
+                close = getattr(recorder, "close", None)
+                if close is not None:
+                    close()
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    app = FastAPI(title="agent-mtp", version="0.1.0", lifespan=lifespan)
+    install_handlers(app)
+
+    def serving() -> ChatServing:
+        current = state.get("serving")
+        if current is None:
+            raise ServerError(503, "The server is starting or shutting down; retry shortly.", type="server_error")
+        return current  # type: ignore[no-any-return]
+
+    def authorize(request: Request) -> None:
+        if settings.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        expected = settings.api_key.get_secret_value()
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), expected.encode()):
+            msg = "Missing or incorrect API key; send 'Authorization: Bearer <key>' with the server's api_key."
+            raise ServerError(401, msg, code="invalid_api_key")
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        current = state.get("serving")
+        if current is None:
+            return JSONResponse({"status": "starting"}, status_code=503)
+        admission = current.admission
+        body = {"status": "ok", "model": settings.model_name, "active": admission.active, "queued": admission.waiting}
+        scheduler = getattr(current.service.decoder, "scheduler", None)
+        if scheduler is not None:
+            stats = scheduler.stats()
+            body["batching"] = {"passes": stats.passes, "mean_batch": round(stats.mean_batch, 3)}
+        return JSONResponse(body)
+
+    @app.get("/v1/models", dependencies=[Depends(authorize)])
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=settings.model_name, created=state.get("started", 0))])
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorize)], response_model=None)
+    async def chat_completions(body: ChatCompletionRequest) -> Any:
+        current = serving()
+        if body.stream:
+            events = await current.stream(body)
+            return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
+        completion = await current.complete(body)
+        return JSONResponse(completion.model_dump(exclude_none=True))
+
+    return app

@@ -1,0 +1,113 @@
+"""`agent-mtp serve` (the OpenAI-compatible server) and `agent-mtp loadtest` (concurrent agent clients against it)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from agent_mtp.cli_common import console
+
+log = logging.getLogger("agent_mtp.server")
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``serve`` and ``loadtest`` to ``app`` (only when the serve extra is installed)."""
+    try:  # without the serve extra the commands are left out
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ModuleNotFoundError:
+        return
+    app.command("serve")(serve)
+    app.command("loadtest")(loadtest)
+
+
+def serve(
+    host: Annotated[str | None, typer.Option(help="Interface to bind (default 127.0.0.1).")] = None,
+    port: Annotated[int | None, typer.Option(help="Port (default 8000; 0 picks a free one).")] = None,
+    model: Annotated[str | None, typer.Option(help='"default", a hub id or a local directory.')] = None,
+    served_model_name: Annotated[str | None, typer.Option(help="The name clients send as model.")] = None,
+    policy: Annotated[str | None, typer.Option(help="default | latency | exact | a YAML path | none")] = None,
+    mode: Annotated[str | None, typer.Option(help="Decode mode with --policy none.")] = None,
+    runtime: Annotated[str | None, typer.Option(help="auto | fast | hf")] = None,
+    concurrency: Annotated[str | None, typer.Option(help="batched (continuous batching) | serial")] = None,
+    max_active: Annotated[int | None, typer.Option(help="Requests decoding at once.")] = None,
+    max_queue: Annotated[int | None, typer.Option(help="Requests waiting; beyond: 429.")] = None,
+    request_timeout: Annotated[float | None, typer.Option(help="Deadline per request, seconds.")] = None,
+    threads: Annotated[int | None, typer.Option(help="torch CPU threads.")] = None,
+    log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
+) -> None:
+    """Serve the model over the OpenAI chat-completions API (POST /v1/chat/completions, GET /v1/models,
+    GET /health). The API key comes from $AGENT_MTP_SERVE_API_KEY (never a command-line argument: it would show
+    in the process list); every option is also $AGENT_MTP_SERVE_<OPTION>."""
+    from agent_mtp.server.settings import ServerSettings
+
+    given: dict[str, Any] = {
+        "host": host,
+        "port": port,
+        "model": model,
+        "served_model_name": served_model_name,
+        "policy": policy,
+        "mode": mode,
+        "runtime": runtime,
+        "concurrency": concurrency,
+        "max_active": max_active,
+        "max_queue": max_queue,
+        "request_timeout_s": request_timeout,
+        "threads": threads,
+    }
+    try:
+        settings = ServerSettings(**{k: v for k, v in given.items() if v is not None})
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+    if settings.host not in ("127.0.0.1", "localhost", "::1") and settings.api_key is None:
+        console.print(f"[yellow]warning:[/yellow] binding {settings.host} without an API key (AGENT_MTP_SERVE_API_KEY)")
+    run_server(settings, log_level=log_level)
+
+
+def run_server(settings: Any, *, log_level: str = "info") -> None:
+    """Run uvicorn until SIGINT/SIGTERM; in-flight requests get ``shutdown_grace_s`` to finish."""
+    import uvicorn
+
+    from agent_mtp.server.app import create_app
+
+    config = uvicorn.Config(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        log_level=log_level,
+        timeout_graceful_shutdown=int(settings.shutdown_grace_s),
+    )
+    uvicorn.Server(config).run()
+
+
+def loadtest(
+    base_url: Annotated[
+        str | None, typer.Option(help="A running server (default: start one here on a free port).")
+    ] = None,
+    clients: Annotated[str, typer.Option(help="Comma-separated concurrency levels.")] = "1,4,8,16",
+    policies: Annotated[str, typer.Option(help="Comma-separated: ntp, verified, confadapt, or shipped policies.")] = (
+        "ntp,verified,confadapt"
+    ),
+    suite: Annotated[str, typer.Option(help="Bench suite of prompts.")] = "agent",
+    requests_per_client: Annotated[int, typer.Option(help="Requests each client sends per cell.")] = 2,
+    max_tokens: Annotated[int, typer.Option(help="max_tokens per request.")] = 64,
+    threads: Annotated[int | None, typer.Option(help="torch threads of the server started here.")] = None,
+    out_dir: Annotated[Path, typer.Option("--out", help="Directory for JSON, Markdown and PNG.")] = Path(
+        "runs/loadtest"
+    ),
+) -> None:
+    """Drive 1/4/8/16 concurrent agent clients over the agent suite against the server with NTP, verified and
+    ConfAdapt: aggregate tokens/s, P50/P95 latency, TTFT, error and timeout ratio; a table and a plot."""
+    from agent_mtp.server.loadtest import LoadtestConfig, run_loadtest
+
+    config = LoadtestConfig(
+        clients=tuple(int(c) for c in clients.split(",") if c.strip()),
+        policies=tuple(p.strip() for p in policies.split(",") if p.strip()),
+        suite=suite,
+        requests_per_client=requests_per_client,
+        max_tokens=max_tokens,
+    )
+    run_loadtest(config, base_url=base_url, threads=threads, out_dir=out_dir)
