@@ -50,13 +50,13 @@ def _family_model(family: str, vocab: int, seed: int = 0) -> Any:
     return model
 
 
-def _engine(family: str, *, adapter: bool) -> MTPEngine:
+def _engine(family: str, *, adapter: bool, rank: int = 4) -> MTPEngine:
     tok = tiny_tokenizer()
     model = _family_model(family, len(tok))
     mask, mask_id, _ = ensure_mask_token(model, tok, None)
     mtp = None
     if adapter:
-        mtp = new_adapter(model, base_model="tiny", mask_token=mask, mask_token_id=mask_id, rank=4)
+        mtp = new_adapter(model, base_model="tiny", mask_token=mask, mask_token_id=mask_id, rank=rank)
         gen = torch.Generator().manual_seed(1)
         with torch.no_grad():
             for p in mtp.trainable_parameters():
@@ -239,3 +239,12 @@ def test_generate_on_a_caller_owned_runner_from_threads() -> None:
     used.forward([5, 6], 1)
     with pytest.raises(ValueError, match="empty runner"):
         engine.generate(prompts[0], cfg, runner=used)
+
+
+def test_odd_adapter_rank_matches_hf() -> None:
+    """A rank whose fused adapter columns are odd in number (padded to keep the RoPE view) is still exact."""
+    engine = _engine("llama", adapter=True, rank=3)
+    m = engine.mask_token_id
+    tokens = [*_random_ids(9, 4), m, m, m]
+    expected = CachedRunner(engine.model).forward(tokens, 4)
+    torch.testing.assert_close(engine.new_runner().forward(tokens, 4), expected, atol=ATOL, rtol=1e-4)

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from agent_mtp.engine.fast.cache import KVCache
-from agent_mtp.engine.fast.weights import LowRank, PackedLinear, rope_pair_order, stack_low_rank
+from agent_mtp.engine.fast.weights import PackedLinear, Projection, rope_pair_order, stack_low_rank
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3"})
 SDPA_FROM_ROWS = 32
@@ -85,17 +85,15 @@ def _head_dim(config: Any) -> int:
 @dataclass(frozen=True)
 class _Layer:
     input_norm: torch.Tensor
-    qkv: PackedLinear
+    qkv: Projection
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
-    o: PackedLinear
+    o: Projection
     post_norm: torch.Tensor
-    gate_up: PackedLinear
-    down: PackedLinear
-    lora_qkv: LowRank | None
-    lora_o: LowRank | None
-    lora_gate_up: LowRank | None
-    lora_down: LowRank | None
+    gate_up: Projection
+    down: Projection
+    inter: int
+    """Intermediate size: gate_up gives [gate | up], each ``inter`` wide."""
 
 
 LoRAFactors = tuple[torch.Tensor, torch.Tensor, float]
@@ -158,7 +156,7 @@ class FastModel:
         order_k = rope_pair_order(self.kv_heads, self.head_dim)
         self.layers = [self._prepare_layer(layer, order_q, order_k, prepack) for layer in decoder.layers]
         self.final_norm = decoder.norm.weight.detach()
-        self.lm_head = PackedLinear(model.get_output_embeddings().weight, prepack=prepack)
+        self.lm_head = PackedLinear(model.get_output_embeddings().weight.detach(), prepack=prepack)
         self._rotary = decoder.rotary_emb
         self._rope = torch.empty(0, 1, self.head_dim // 2, dtype=torch.complex64)
         self._rope_lock = threading.Lock()
@@ -190,17 +188,24 @@ class FastModel:
         half_order = rope_pair_order(1, self.head_dim)
         return _Layer(
             input_norm=layer.input_layernorm.weight.detach(),
-            qkv=PackedLinear(torch.cat([wq, wk, wv]), _cat_bias((bq, bk, bv), sizes), prepack=prepack),
+            qkv=Projection(
+                torch.cat([wq, wk, wv]),
+                _cat_bias((bq, bk, bv), sizes),
+                stack_low_rank((lq, lk, lv), sizes),
+                prepack=prepack,
+            ),
             q_norm=q_norm.weight.detach()[half_order] if q_norm is not None else None,
             k_norm=k_norm.weight.detach()[half_order] if k_norm is not None else None,
-            o=PackedLinear(wo, bo, prepack=prepack),
+            o=Projection(wo, bo, stack_low_rank((lo,), (int(wo.shape[0]),)), prepack=prepack),
             post_norm=layer.post_attention_layernorm.weight.detach(),
-            gate_up=PackedLinear(torch.cat([wg, wu]), _cat_bias((bg, bu), (inter, inter)), prepack=prepack),
-            down=PackedLinear(wd, bd, prepack=prepack),
-            lora_qkv=stack_low_rank((lq, lk, lv), sizes),
-            lora_o=stack_low_rank((lo,), (int(wo.shape[0]),)),
-            lora_gate_up=stack_low_rank((lg, lu), (inter, inter)),
-            lora_down=stack_low_rank((ld,), (int(wd.shape[0]),)),
+            gate_up=Projection(
+                torch.cat([wg, wu]),
+                _cat_bias((bg, bu), (inter, inter)),
+                stack_low_rank((lg, lu), (inter, inter)),
+                prepack=prepack,
+            ),
+            down=Projection(wd, bd, stack_low_rank((ld,), (int(wd.shape[0]),)), prepack=prepack),
+            inter=inter,
         )
 
     def _rope_rows(self, start: int, end: int) -> torch.Tensor:
@@ -270,30 +275,19 @@ class FastModel:
     ) -> None:
         n, hidden = x.shape
         h = F.rms_norm(x, (hidden,), layer.input_norm, self.eps)
-        qkv = layer.qkv(h)  # [N, q + 2 kv]
-        if rows is not None and layer.lora_qkv is not None:
-            layer.lora_qkv.apply(qkv, h, rows)
+        qkv = layer.qkv(h, rows)  # [N, q + 2 kv]
         if layer.q_norm is not None and layer.k_norm is not None:
             self._qk_norm(qkv, layer.q_norm, layer.k_norm)
         qk = qkv[:, : self.q_dim + self.kv_dim].view(n, self.num_heads + self.kv_heads, self.head_dim // 2, 2)
         torch.view_as_complex(qk).mul_(rope)
         parts = [self._attend_segment(qkv, seg, index) for seg in segments]
         attended = parts[0] if len(parts) == 1 else torch.cat(parts)  # [N, q]
-        out = layer.o(attended)
-        if rows is not None and layer.lora_o is not None:
-            layer.lora_o.apply(out, attended, rows)
-        x.add_(out)
+        x.add_(layer.o(attended, rows))
         h = F.rms_norm(x, (hidden,), layer.post_norm, self.eps)
-        gate_up = layer.gate_up(h)  # [N, 2 I]
-        if rows is not None and layer.lora_gate_up is not None:
-            layer.lora_gate_up.apply(gate_up, h, rows)
-        inter = gate_up.shape[1] // 2
-        act = F.silu(gate_up[:, :inter])
-        act.mul_(gate_up[:, inter:])
-        down = layer.down(act)
-        if rows is not None and layer.lora_down is not None:
-            layer.lora_down.apply(down, act, rows)
-        x.add_(down)
+        gate_up = layer.gate_up(h, rows)  # [N, 2 I]
+        act = F.silu(gate_up[:, : layer.inter])
+        act.mul_(gate_up[:, layer.inter :])
+        x.add_(layer.down(act, rows))
 
     def _attend_segment(self, qkv: torch.Tensor, seg: _Segment, index: int) -> torch.Tensor:
         """Write one sequence's new keys/values into its cache, attend its queries to its cache: [n, q]."""

@@ -7,7 +7,6 @@ On a CPU a plain ``F.linear`` over 2-16 rows costs 2-3x one row; the same weight
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -43,28 +42,57 @@ class PackedLinear:
         return F.linear(x, self.weight, self.bias)
 
 
-@dataclass(frozen=True)
-class LowRank:
-    """A gated adapter's delta for one fused GEMM: ``y[mask rows] += (x A^T) B^T`` (scale folded into ``B``).
+LowRankFactors = tuple[torch.Tensor, torch.Tensor]
+"""A gated adapter's delta for one fused GEMM: ``A`` [R, in] and ``B^T`` [R, out] with the LoRA scale folded in."""
 
-    The LoRA factors of the GEMM's parts (q, k, v or gate, up) are stacked: ``A`` [sum r, in], and ``B`` is block
-    diagonal [sum out, sum r], so one pair of small GEMMs serves the whole fused projection."""
 
-    a_t: torch.Tensor  # [in, R]
-    b_t: torch.Tensor  # [R, out]
+class Projection:
+    """One fused, packed GEMM that may carry a gated adapter: ``y = x W^T + b``, plus ``(x A^T) B^T`` at mask rows.
 
-    def apply(self, y: torch.Tensor, x: torch.Tensor, rows: slice | torch.Tensor) -> None:
-        """Add the delta to ``y`` at ``rows`` (a slice: contiguous mask rows; a tensor: row indices), in place."""
+    ``A`` rides in the same packed GEMM as extra output columns (``[W; A]``, ~1% more bytes), so the adapter costs
+    one small GEMM per projection, and only on passes that carry mask rows."""
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        lora: LowRankFactors | None = None,
+        *,
+        prepack: bool = True,
+    ) -> None:
+        self.out_features = int(weight.shape[0])
+        self.b_t: torch.Tensor | None = None
+        if lora is not None:
+            a, b_t = lora
+            if a.shape[0] % 2:  # an even row stride keeps complex views (RoPE) of the output possible
+                a = torch.cat([a, a.new_zeros(1, a.shape[1])])
+                b_t = torch.cat([b_t, b_t.new_zeros(1, b_t.shape[1])])
+            weight = torch.cat([weight, a.to(weight.dtype)])
+            if bias is not None:
+                bias = torch.cat([bias, bias.new_zeros(a.shape[0])])
+            self.b_t = b_t.contiguous()
+        self.linear = PackedLinear(weight, bias, prepack=prepack)
+
+    def __call__(self, x: torch.Tensor, rows: slice | torch.Tensor | None) -> torch.Tensor:
+        """x [n, in] -> [n, out]; ``rows``: the mask rows (a slice when contiguous, else indices) or None."""
+        y = self.linear(x)
+        if self.b_t is None:
+            return y
+        out = self.out_features
         if isinstance(rows, slice):
-            y[rows].addmm_(torch.mm(x[rows], self.a_t), self.b_t)
-        else:
-            y.index_add_(0, rows, torch.mm(torch.mm(x.index_select(0, rows), self.a_t), self.b_t))
+            y[rows, :out].addmm_(y[rows, out:], self.b_t)
+        elif rows is not None:
+            y[:, :out].index_add_(0, rows, torch.mm(y.index_select(0, rows)[:, out:], self.b_t))
+        return y[:, :out]
 
 
 def stack_low_rank(
     parts: Sequence[tuple[torch.Tensor, torch.Tensor, float] | None], out_sizes: Sequence[int]
-) -> LowRank | None:
-    """Fuse the (A [r, in], B [out, r], scale) factors of the parts of one GEMM; None where no part has any."""
+) -> LowRankFactors | None:
+    """Fuse the (A [r, in], B [out, r], scale) factors of the parts of one GEMM; None where no part has any.
+
+    The parts' ``A`` are stacked [sum r, in] and ``B^T`` is block diagonal [sum r, sum out], so one small GEMM
+    serves the whole fused projection."""
     present = [p for p in parts if p is not None]
     if not present:
         return None
@@ -81,7 +109,7 @@ def stack_low_rank(
             b[o0 : o0 + size, r0 : r0 + r] = lora_b.detach().float() * scale
             r0 += r
         o0 += size
-    return LowRank(a.t().contiguous(), b.t().contiguous())
+    return a, b.t().contiguous()
 
 
 def rope_pair_order(num_heads: int, head_dim: int) -> torch.Tensor:
