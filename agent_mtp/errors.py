@@ -17,7 +17,9 @@ with one ``except``. Messages name the bad value and say what to do next.
     ├── QualityError                        a quality monitor still failed after the retry budget
     ├── PolicyError (ValueError)            a policy file is invalid (names file, line, field)
     ├── TrainingError                       bad training input or state
-    └── TelemetryError                      bad telemetry configuration (never raised on the generation path)
+    ├── TelemetryError                      bad telemetry configuration, or Redis refused a query (never raised on
+    │                                       the generation path)
+    └── RedisURLError (ConfigError, TelemetryError)   a Redis URL setting cannot be used (breaker_store, telemetry)
 """
 
 from __future__ import annotations
@@ -92,3 +94,8 @@ class TrainingError(AgentMTPError):
 
 class TelemetryError(AgentMTPError):
     """Telemetry is misconfigured (bad URL, bad key part). Never raised from the generation path."""
+
+
+class RedisURLError(ConfigError, TelemetryError):
+    """A Redis URL setting (``breaker_store``, ``AGENT_MTP_REDIS_URL``, ``Telemetry(url)``) cannot be used; the
+    message shows the URL with its password redacted."""

@@ -23,10 +23,10 @@ import contextvars
 import dataclasses
 import json
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, InstanceOf, SkipValidation
 
@@ -54,6 +54,7 @@ from agent_mtp.policy.schema import (
     MonitorSettings,
     RetrySettings,
     StepSettings,
+    check_decode_settings,
 )
 from agent_mtp.tools import (
     ToolCallStream,
@@ -75,9 +76,12 @@ __all__ = [
     "Service",
     "Usage",
     "check_policy",
+    "checked_tool_choice",
+    "default_recorder",
     "prompt_ids",
     "shared_engine",
     "shared_service",
+    "tool_plan",
 ]
 
 DEFAULT_MAX_TOKENS = 256
@@ -122,6 +126,9 @@ class Limits:
     seed: int | None = None
 
     def __post_init__(self) -> None:
+        check_decode_settings(
+            "Limits", max_tokens=self.max_tokens, timeout=self.timeout, temperature=self.temperature
+        )  # the policy schema's ranges
         self.apply(DecodeConfig())
 
     def apply(self, config: DecodeConfig) -> DecodeConfig:
@@ -172,6 +179,8 @@ class Request(BaseModel):
 class Usage:
     input_tokens: int
     output_tokens: int
+    cached_input_tokens: int = 0
+    """Input tokens whose keys and values came from the engine's prefix cache (not prefilled again)."""
 
     @property
     def total_tokens(self) -> int:
@@ -248,7 +257,9 @@ class Service:
         self.engine = engine
         self.decoder: Any = BatchedEngine(engine) if concurrency == "batched" else engine
         """What decodes: the engine, or the engine behind a batch scheduler."""
-        self.recorder = recorder
+        self.recorder = recorder if recorder is not None else default_recorder()
+        """Where the one StepEvent per step goes; given None: :func:`default_recorder` (the process-wide telemetry
+        when ``AGENT_MTP_REDIS_URL`` is set, else nothing; pass ``NullRecorder()`` to record nothing)."""
         self.breaker_store = breaker_store
         self._controllers: dict[Any, tuple[Any, PolicyController]] = {}
         self._lock = threading.Lock()
@@ -331,9 +342,7 @@ class Service:
     def _prepare(self, request: Request) -> _Prepared:
         ids = prompt_ids(self.engine.tokenizer, request)
         answer_schema, json_answer = answer_format(request.response_format)
-        specs = tool_specs(list(request.tools))
-        choice = normalize_tool_choice(request.tool_choice, [s.name for s in specs]) if specs else None
-        use_tools = bool(specs) and choice != "none"
+        specs, choice, use_tools = tool_plan(request.tools, request.tool_choice)
         spec = _grammar_spec(specs, choice, request.parallel_tool_calls, answer_schema, json_answer, use_tools)
         grammar = compile_for_engine(self.engine, spec, jump_forward=request.jump_forward) if spec else None
         context = StepContext(
@@ -435,7 +444,9 @@ def model_key(model: str) -> str:
 
 def shared_service(engine: MTPEngine, *, recorder: Any = None, breaker_store: str | None = None) -> Service:
     """The process-wide service of ``engine`` + ``recorder`` + ``breaker_store`` (so policy controllers, their
-    breakers and learned baselines are shared by every front end that uses the same three)."""
+    breakers and learned baselines are shared by every front end that uses the same three). ``recorder=None``:
+    :func:`default_recorder`."""
+    recorder = recorder if recorder is not None else default_recorder()
     key = (id(engine), id(recorder), breaker_store)
     with _SHARED_LOCK:
         entry = _SERVICES.get(key)
@@ -443,6 +454,14 @@ def shared_service(engine: MTPEngine, *, recorder: Any = None, breaker_store: st
             entry = (engine, recorder, Service(engine, recorder=recorder, breaker_store=breaker_store))
             _SERVICES[key] = entry
     return entry[2]
+
+
+def default_recorder() -> Recorder | None:
+    """The recorder of a front end given none: the process-wide telemetry when ``AGENT_MTP_REDIS_URL`` is set
+    (:func:`agent_mtp.telemetry.process_telemetry`: one flusher thread per process), else None (events dropped)."""
+    from agent_mtp.telemetry import process_telemetry  # Redis is imported only by processes that record
+
+    return process_telemetry()
 
 
 def check_policy(policy: PolicyLike) -> None:
@@ -458,21 +477,60 @@ def check_policy(policy: PolicyLike) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ prompts
+class ToolPlan(NamedTuple):
+    specs: list[ToolSpec]
+    choice: str | None
+    """None/"auto", "any", "none" or a tool name (normalised)."""
+    use_tools: bool
+    """Tools are described in the prompt and may be called (bound, and tool_choice is not "none")."""
+
+
+def tool_plan(tools: Sequence[Mapping[str, Any]], tool_choice: Any) -> ToolPlan:
+    """The checked tools and tool choice of a request (see :func:`checked_tool_choice`)."""
+    specs = tool_specs(list(tools))
+    choice = checked_tool_choice(tool_choice, [s.name for s in specs])
+    return ToolPlan(specs, choice, bool(specs) and choice != "none")
+
+
+def checked_tool_choice(tool_choice: Any, names: Sequence[str]) -> str | None:
+    """The normalised tool choice; one that forces a call (``"any"``, ``True``, a name) with no tools bound is an
+    error, not free text. Without tools "auto"/"none" mean nothing and become None."""
+    choice = normalize_tool_choice(tool_choice, names)
+    if names:
+        return choice
+    if choice not in (None, "auto", "none"):
+        msg = (
+            f"tool_choice={tool_choice!r} asks for a tool call but no tools are bound; "
+            "bind at least one tool or drop tool_choice."
+        )
+        raise ConfigError(msg)
+    return None
+
+
 def prompt_ids(tokenizer: Any, request: Request) -> list[int]:
     """Token ids of ``request``'s messages with the tool block and answer-format instruction as a system block."""
     answer_schema, json_answer = answer_format(request.response_format)
-    specs = tool_specs(list(request.tools))
-    choice = normalize_tool_choice(request.tool_choice, [s.name for s in specs]) if specs else None
-    use_tools = bool(specs) and choice != "none"
+    specs, choice, use_tools = tool_plan(request.tools, request.tool_choice)
+    if not request.messages:
+        raise EmptyPromptError("There are no messages to answer; pass at least one message.")
+    if not any(_has_content(m) for m in request.messages):
+        msg = (
+            f"All {len(request.messages)} message(s) are empty, so there is nothing to answer; send some text "
+            "(an empty conversation such as invoke('') is refused, not answered with an empty turn)."
+        )
+        raise EmptyPromptError(msg)
     blocks = []
     if use_tools:
         blocks.append(tools_system_block(specs, choice, parallel=request.parallel_tool_calls))
     if json_answer:
         blocks.append(_json_block(answer_schema, alongside_tools=use_tools))
     messages = with_system_block([dict(m) for m in request.messages], "\n\n".join(blocks) or None)
-    if not messages:
-        raise EmptyPromptError("There are no messages to answer; pass at least one message.")
     return render_messages(tokenizer, messages)
+
+
+def _has_content(message: Mapping[str, Any]) -> bool:
+    content = message.get("content")
+    return bool(content.strip()) if isinstance(content, str) else bool(content)
 
 
 def with_system_block(messages: list[dict[str, Any]], block: str | None) -> list[dict[str, Any]]:

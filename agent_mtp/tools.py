@@ -52,6 +52,7 @@ _BLOCK_OPEN = CALL_OPEN + "\n"
 _BLOCK_CLOSE = "\n" + CALL_CLOSE
 _BLOCK_RE = re.compile(re.escape(CALL_OPEN) + r"(.*?)" + re.escape(CALL_CLOSE), re.DOTALL)
 _NAME_RE = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
+_TOOL_NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 TOOL_CHOICES = ("auto", "any", "none")
 
 
@@ -68,8 +69,21 @@ class ToolSpec:
         fn = tool.get("function", tool)
         if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
             raise ConfigError(f"A tool needs a function name; got {_short(tool)}. Pass tools through bind_tools().")
+        name = fn["name"]
+        if not _TOOL_NAME_RE.fullmatch(name):
+            msg = (
+                f"Tool name {name!r} is invalid: use 1-64 letters, digits, '_' or '-' (no spaces), as OpenAI does; "
+                f"for example {re.sub(r'[^A-Za-z0-9_-]+', '_', name).strip('_')[:64] or 'my_tool'!r}."
+            )
+            raise ConfigError(msg)
         params = fn.get("parameters") or {"type": "object", "properties": {}}
-        return cls(name=fn["name"], description=str(fn.get("description") or ""), parameters=params)
+        if not isinstance(params, Mapping) or params.get("type", "object") != "object":
+            msg = (
+                f"Tool {name!r} has parameters={_short(params)}: use a JSON schema of type 'object' "
+                "(a dict such as {'type': 'object', 'properties': {...}})."
+            )
+            raise ConfigError(msg)
+        return cls(name=name, description=str(fn.get("description") or ""), parameters=params)
 
     def prompt_entry(self) -> dict[str, Any]:
         return {"name": self.name, "description": self.description, "parameters": dict(self.parameters)}

@@ -13,6 +13,7 @@ from agent_mtp.langchain.errors import (
     MTPContextOverflowError,
     MTPInvalidRequestError,
     MTPModelNotFoundError,
+    MTPPolicyError,
     MTPTimeoutError,
 )
 
@@ -21,5 +22,6 @@ __all__ = [
     "MTPContextOverflowError",
     "MTPInvalidRequestError",
     "MTPModelNotFoundError",
+    "MTPPolicyError",
     "MTPTimeoutError",
 ]

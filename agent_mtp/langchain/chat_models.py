@@ -30,17 +30,34 @@ from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
 from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_json_schema
 from langchain_core.utils.pydantic import is_basemodel_subclass
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from agent_mtp.engine import DecodeConfig, MTPEngine
 from agent_mtp.engine.config import Mode
 from agent_mtp.engine.loading import DEFAULT_MODEL_ALIASES, DEFAULT_MODEL_NAME, resolve_model_path
-from agent_mtp.errors import AgentMTPError, ConfigError
+from agent_mtp.errors import AgentMTPError
 from agent_mtp.events import Recorder
-from agent_mtp.langchain.errors import MTPInvalidRequestError, MTPModelNotFoundError, mapped, raise_mapped
+from agent_mtp.langchain.errors import (
+    MTPInvalidRequestError,
+    MTPModelNotFoundError,
+    construction_error,
+    mapped,
+    raise_mapped,
+)
 from agent_mtp.langchain.messages import message_dicts, render_prompt
 from agent_mtp.langchain.tools import as_openai_tool, as_response_format
 from agent_mtp.policy import Policy
+from agent_mtp.policy.schema import check_decode_settings
+from agent_mtp.redis_url import validate_redis_url
 from agent_mtp.service import (
     DEFAULT_MAX_TOKENS,
     Delta,
@@ -50,11 +67,13 @@ from agent_mtp.service import (
     Service,
     Usage,
     check_policy,
+    checked_tool_choice,
+    default_recorder,
     loaded_engine,
     shared_engine,
     shared_service,
 )
-from agent_mtp.tools import normalize_tool_choice, tool_specs, tools_system_block
+from agent_mtp.tools import ToolSpec, tool_specs, tools_system_block
 
 log = logging.getLogger("agent_mtp.chat_model")
 
@@ -145,9 +164,11 @@ class AgentMTPChat(BaseChatModel):
     for fixed settings. Defaults to None when ``mode``, ``threshold`` or ``k_max`` is given."""
     recorder: Recorder | None = Field(default=None, exclude=True)
     """Telemetry sink: any object with ``record(event)`` (e.g. ``agent_mtp.events.MemoryRecorder``); one
-    ``StepEvent`` per call."""
-    breaker_store: str | None = None
-    """Redis URL for the policy's NTP-fallback breaker state (shared by a fleet); None keeps it in this process."""
+    ``StepEvent`` per call. None: the process-wide ``Telemetry`` when ``AGENT_MTP_REDIS_URL`` is set (one flusher
+    per process, shared by every chat model), else nothing is recorded."""
+    breaker_store: SecretStr | None = None
+    """Redis URL for the policy's NTP-fallback breaker state (shared by a fleet); None keeps it in this process.
+    Checked at construction; kept as a ``SecretStr`` (never shown in reprs, dumps, traces or logs)."""
 
     mode: Mode | None = None
     """Fixed decode mode (implies ``policy=None``): ntp, static, confadapt or verified (lossless)."""
@@ -182,6 +203,26 @@ class AgentMTPChat(BaseChatModel):
     _engine_instance: MTPEngine | None = PrivateAttr(default=None)
 
     # -- construction ---------------------------------------------------------------------------------------
+    def __init__(self, **kwargs: Any) -> None:
+        """See the class docstring; a bad setting raises :class:`MTPInvalidRequestError` (a bad policy file:
+        :class:`MTPPolicyError`) naming the value and the fix, never pydantic's ``ValidationError``."""
+        try:
+            super().__init__(**kwargs)
+        except ValidationError as e:
+            raise construction_error(e) from None  # pydantic's text echoes every input, the secret ones included
+
+    @property
+    def lc_secrets(self) -> dict[str, str]:
+        """Settings that hold secrets (LangChain's convention: never serialized, only named)."""
+        return {"breaker_store": "AGENT_MTP_BREAKER_STORE"}
+
+    @field_validator("breaker_store")
+    @classmethod
+    def _check_breaker_store(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None:
+            validate_redis_url(value.get_secret_value(), setting="breaker_store")
+        return value
+
     @model_validator(mode="before")
     @classmethod
     def _drop_ignored(cls, values: Any) -> Any:
@@ -205,10 +246,18 @@ class AgentMTPChat(BaseChatModel):
 
     @model_validator(mode="after")
     def _check_values(self) -> AgentMTPChat:
-        try:
-            self._fixed_config()
-        except ConfigError as e:
-            raise MTPInvalidRequestError(str(e)) from e
+        check_decode_settings(
+            "AgentMTPChat",
+            mode=self.mode,
+            threshold=self.threshold,
+            k_max=self.k_max,
+            max_tokens=self.max_tokens,
+            temperature=self.temperature,
+            timeout=self.timeout,
+        )  # the policy schema's ranges: what a policy file may say, a chat model may say
+        self._fixed_config()
+        if self.recorder is None:
+            default_recorder()  # a bad AGENT_MTP_REDIS_URL fails here, not at the first call
         if self.policy is not None:
             check_policy(self.policy)  # fail at construction on a bad policy (PolicyError names file and line)
         return self
@@ -334,8 +383,10 @@ class AgentMTPChat(BaseChatModel):
         message. The OpenAI-format tools are stored under the ``tools`` kwarg (what LangGraph looks for).
         """
         formatted = [as_openai_tool(t, strict=strict) for t in tools]
-        names = [t["function"]["name"] for t in formatted]
-        choice = normalize_tool_choice(tool_choice, names) if formatted else None
+        try:  # each tool is checked now (name, parameters); duplicate names when a call uses them
+            choice = checked_tool_choice(tool_choice, [ToolSpec.from_openai(t).name for t in formatted])
+        except AgentMTPError as e:
+            raise_mapped(e)
         if choice is not None:
             kwargs["tool_choice"] = choice
         if parallel_tool_calls is not None:
@@ -487,10 +538,9 @@ class AgentMTPChat(BaseChatModel):
             raise MTPInvalidRequestError(msg)
         engine = self._engine_for(kwargs.get("model"))
         dicts = message_dicts(messages)
-        if not dicts:
-            raise MTPInvalidRequestError("There are no messages to answer; pass at least one message.")
         fixed = {k: kwargs[k] for k in ("mode", "threshold", "k_max") if kwargs.get(k) is not None}
         try:
+            check_decode_settings("the call", **fixed, **{k: kwargs.get(k) for k in ("max_tokens", "timeout")})
             request = Request(
                 messages=tuple(dicts),
                 tools=tuple(kwargs.get("tools") or ()),
@@ -508,14 +558,18 @@ class AgentMTPChat(BaseChatModel):
             )
         except AgentMTPError as e:
             raise_mapped(e)
-        service = shared_service(engine, recorder=self.recorder, breaker_store=self.breaker_store)
+        store = self.breaker_store.get_secret_value() if self.breaker_store is not None else None
+        try:
+            service = shared_service(engine, recorder=self.recorder, breaker_store=store)
+        except AgentMTPError as e:
+            raise_mapped(e)
         return service, request
 
     def _limits(self, stop: list[str] | None, kwargs: Mapping[str, Any]) -> Limits:
         return Limits(
-            max_tokens=kwargs.get("max_tokens") or self.max_tokens,
+            max_tokens=_first(kwargs.get("max_tokens"), self.max_tokens, None),
             stop=tuple(dict.fromkeys([*(self.stop or ()), *(stop or ())])),
-            timeout=kwargs.get("timeout") or self.timeout,
+            timeout=_first(kwargs.get("timeout"), self.timeout, None),
             temperature=_first(kwargs.get("temperature"), self.temperature),
             top_p=_first(kwargs.get("top_p"), self.top_p),
             seed=kwargs["seed"] if kwargs.get("seed") is not None else self.seed,
@@ -524,10 +578,10 @@ class AgentMTPChat(BaseChatModel):
     def _fixed_config(self, overrides: Mapping[str, Any] | None = None) -> DecodeConfig:
         overrides = overrides or {}
         return DecodeConfig(
-            mode=overrides.get("mode") or self.mode or _FIXED_DEFAULTS.mode,
+            mode=_first(overrides.get("mode"), self.mode, _FIXED_DEFAULTS.mode),
             threshold=_first(overrides.get("threshold"), self.threshold, _FIXED_DEFAULTS.threshold),
-            k_max=overrides.get("k_max") or self.k_max or _FIXED_DEFAULTS.k_max,
-            max_new_tokens=self.max_tokens or DEFAULT_MAX_TOKENS,
+            k_max=_first(overrides.get("k_max"), self.k_max, _FIXED_DEFAULTS.k_max),
+            max_new_tokens=_first(self.max_tokens, DEFAULT_MAX_TOKENS),
             temperature=self.temperature,
             top_p=self.top_p,
             seed=self.seed,
@@ -570,7 +624,8 @@ _TOKENIZER_LOCK = threading.Lock()
 
 
 def _first(*values: Any) -> Any:
-    return next(v for v in values if v is not None)
+    """The first value that is not None (0 and "" count as given: a bad 0 is refused, not replaced by a default)."""
+    return next((v for v in values if v is not None), None)
 
 
 def _usage(usage: Usage) -> UsageMetadata:

@@ -11,6 +11,7 @@ from langchain_core.exceptions import (
     ModelNotFoundError,
     ModelTimeoutError,
 )
+from pydantic import ValidationError
 
 from agent_mtp.errors import (
     AgentMTPError,
@@ -18,9 +19,14 @@ from agent_mtp.errors import (
     DeadlineExceededError,
     GrammarError,
     ModelLoadError,
+    PolicyError,
     PromptError,
     PromptTooLongError,
+    TelemetryError,
 )
+
+SECRET_SETTINGS = frozenset({"breaker_store"})
+"""Settings whose values an error message never echoes."""
 
 
 class MTPContextOverflowError(ContextOverflowError, PromptTooLongError):
@@ -47,6 +53,10 @@ class MTPInvalidRequestError(ModelInvalidRequestError, ConfigError):
     """The request cannot be served: bad prompt, bad tools/schema, bad settings."""
 
 
+class MTPPolicyError(MTPInvalidRequestError, PolicyError):
+    """The policy (a file, a shipped name, a mapping) is invalid; the message names the file, line and field."""
+
+
 class MTPModelNotFoundError(ModelNotFoundError, ModelLoadError):
     """The model or its tokenizer cannot be loaded."""
 
@@ -61,7 +71,9 @@ def map_error(error: Exception) -> Exception:
         )
     if isinstance(error, DeadlineExceededError):
         return MTPTimeoutError(str(error), partial_text=error.partial_text)
-    if isinstance(error, (PromptError, ConfigError, GrammarError)):
+    if isinstance(error, PolicyError):
+        return MTPPolicyError(str(error))
+    if isinstance(error, (PromptError, ConfigError, GrammarError, TelemetryError)):
         return MTPInvalidRequestError(str(error))
     if isinstance(error, ModelLoadError):
         return MTPModelNotFoundError(str(error))
@@ -81,3 +93,18 @@ def mapped(stream: Iterator[Any]) -> Iterator[Any]:
         yield from stream
     except AgentMTPError as e:
         raise_mapped(e)
+
+
+def construction_error(error: ValidationError) -> Exception:
+    """pydantic's ``ValidationError`` from ``AgentMTPChat(...)`` as an agent-mtp error of LangChain's class: the
+    agent-mtp error a validator raised (a bad policy, a bad Redis URL, an out-of-range setting), else
+    :class:`MTPInvalidRequestError` naming the setting (never echoing the value of a secret one)."""
+    first = error.errors()[0]
+    original = (first.get("ctx") or {}).get("error")
+    if isinstance(original, AgentMTPError):
+        return map_error(original)
+    name = str(first["loc"][0]) if first["loc"] else ""
+    shown = "" if not name or name in SECRET_SETTINGS else f"={first.get('input')!r}"
+    setting = name or "the settings"
+    msg = f"AgentMTPChat: {setting}{shown} is invalid: {first['msg']}; see the settings in docs/langchain.md."
+    return MTPInvalidRequestError(msg)

@@ -56,6 +56,18 @@ def message_dict(message: BaseMessage) -> dict[str, Any]:
     raise MTPInvalidRequestError(f"Unsupported message type {type(message).__name__}.")
 
 
+_TEXT_BLOCKS = frozenset({"text", "input_text", "output_text", "text-plain"})
+_MEDIA_BLOCKS = frozenset({"image", "image_url", "audio", "input_audio", "file", "video", "document"})
+_SKIPPED_BLOCKS = frozenset(
+    {
+        "tool_use", "tool_call", "tool_call_chunk", "invalid_tool_call",  # rendered from message.tool_calls
+        "reasoning", "thinking", "redacted_thinking",  # a model's own reasoning is not fed back
+        "server_tool_call", "server_tool_call_chunk", "server_tool_result",  # another provider's server tools
+    }
+)  # fmt: skip
+"""Content block types left out of the prompt on purpose (documented in docs/langchain.md)."""
+
+
 def _text_of(content: Any) -> str:
     if isinstance(content, str):
         return content
@@ -64,10 +76,20 @@ def _text_of(content: Any) -> str:
         if isinstance(block, str):
             parts.append(block)
             continue
-        kind = block.get("type")
-        if kind == "text":
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind in _TEXT_BLOCKS:
             parts.append(str(block.get("text", "")))
-        elif kind in ("image", "image_url", "audio", "input_audio", "file", "video", "document"):
+        elif kind in _MEDIA_BLOCKS:
             raise MTPInvalidRequestError(f"AgentMTPChat is text-only; the message has a {kind!r} content block.")
-        # tool_use / tool_call / reasoning blocks: the tool calls are rendered from message.tool_calls
+        elif kind not in _SKIPPED_BLOCKS:
+            msg = (
+                f"Unknown content block {_short(block)}: AgentMTPChat reads text blocks ({{'type': 'text', "
+                f"'text': ...}}) and leaves out {', '.join(sorted(_SKIPPED_BLOCKS))}; send the content as text."
+            )
+            raise MTPInvalidRequestError(msg)
     return "\n".join(p for p in parts if p)
+
+
+def _short(block: Any, limit: int = 80) -> str:
+    text = repr(block)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 from agent_mtp.policy.schema import FallbackSettings
+from agent_mtp.redis_url import scrub, url_secrets, validate_redis_url
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +126,9 @@ class RedisBreakerStore:
 
     Per breaker key two Redis keys: ``{prefix}:{key}:open`` (a string with the trip reason, TTL = cooldown)
     and ``{prefix}:{key}:state`` (a hash with probes/trips/reason, TTL = cooldown + half-open TTL). Open while
-    the first exists, half-open while only the second exists, closed when neither does. When Redis cannot be
+    the first exists, half-open while only the second exists, closed when neither does. A URL is checked at
+    construction (:class:`~agent_mtp.errors.RedisURLError` for ``http://x``, ``""``, a bad port, no host). When
+    Redis cannot be
     reached the store keeps working on a per-process :class:`MemoryBreakerStore` and tries Redis again after
     ``retry_after_s``.
     """
@@ -141,9 +144,12 @@ class RedisBreakerStore:
     ) -> None:
         import redis
 
+        self._secrets: tuple[str, ...] = ()
         if isinstance(url_or_client, str):
+            url = validate_redis_url(url_or_client, setting="breaker_store")
+            self._secrets = url_secrets(url)
             self._client = redis.Redis.from_url(
-                url_or_client, socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s
+                url, socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s
             )
         else:
             self._client = url_or_client
@@ -217,7 +223,7 @@ class RedisBreakerStore:
             self._down_until = self._clock() + self._retry_after_s
             log.warning(
                 "breaker store: Redis unreachable (%s); using per-process state for %.0f s",
-                exc,
+                scrub(f"{type(exc).__name__}: {exc}", self._secrets),
                 self._retry_after_s,
             )
             return local()

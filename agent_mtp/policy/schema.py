@@ -10,9 +10,10 @@ from __future__ import annotations
 from functools import cached_property
 from typing import Annotated, Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
 from agent_mtp.engine.config import K_MAX_LIMIT, LOSSLESS_MODES, LOSSY_MODES, DecodeConfig, DraftName, Mode
+from agent_mtp.errors import ConfigError
 
 BUILTIN_STEP_TYPES: tuple[str, ...] = ("tool_call", "reasoning", "formatting", "final_answer")
 MODE_SAFETY: dict[str, int] = {"static": 0, "confadapt": 1, "verified": 2, "ntp": 3}
@@ -198,6 +199,40 @@ class StepSettings(_Section):
         }
         fields.update(changes)
         return DecodeConfig(**fields)
+
+
+# ------------------------------------------------------------------------------------ settings outside a file
+SETTING_FIELDS: dict[str, str] = {
+    "mode": "mode",
+    "threshold": "threshold",
+    "k_max": "k_max",
+    "max_tokens": "max_new_tokens",
+    "max_new_tokens": "max_new_tokens",
+    "temperature": "temperature",
+    "timeout": "max_time_s",
+    "max_time": "max_time_s",
+    "max_time_s": "max_time_s",
+}
+"""Names that front ends and requests use (``max_tokens``, ``timeout``) -> the :class:`StepSettings` field whose
+range applies."""
+
+
+def check_decode_settings(owner: str, **values: Any) -> None:
+    """Refuse out-of-range decode settings given outside a policy file (a chat model's ``k_max=0``, a request's
+    ``max_tokens=0``, ``threshold=1.5``) with the same rules a policy file gets, so a value is either accepted
+    everywhere or refused everywhere. ``None`` means unset. Raises :class:`~agent_mtp.errors.ConfigError`
+    naming ``owner``, the value and the allowed range."""
+    given = {name: value for name, value in values.items() if value is not None}
+    fields = {SETTING_FIELDS[name]: value for name, value in given.items()}
+    try:
+        StepSettings.model_validate(fields)
+    except ValidationError as e:
+        loc = e.errors()[0]["loc"]
+        field = str(loc[0]) if loc else ""
+        name = next((n for n in given if SETTING_FIELDS[n] == field), field)
+        allowed = StepSettings.model_fields[field].description if field in StepSettings.model_fields else None
+        msg = f"{owner}: {name}={given.get(name)!r} is invalid; allowed: {allowed or 'see docs/policies.md'}."
+        raise ConfigError(msg) from None
 
 
 # --------------------------------------------------------------------------------------------- classification

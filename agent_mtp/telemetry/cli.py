@@ -13,10 +13,10 @@ from rich.console import Console
 from rich.live import Live
 
 from agent_mtp.errors import TelemetryError
-from agent_mtp.telemetry.config import ENV_REDIS_URL, WINDOWS, load_env, parse_window, scrub, url_secrets
+from agent_mtp.redis_url import scrub, url_secrets
+from agent_mtp.telemetry.config import ENV_REDIS_URL, WINDOWS, load_env, parse_window
 from agent_mtp.telemetry.dashboard import plot_report, render
 from agent_mtp.telemetry.queries import StatsReport, query_stats, redis_store
-from agent_mtp.telemetry.store import STORE_ERRORS
 
 
 def register(app: typer.Typer) -> None:
@@ -59,8 +59,8 @@ def stats(
     def read() -> StatsReport:
         try:
             return query_stats(store, window=window_s, namespace=store.config.namespace, group_by=group_by)
-        except STORE_ERRORS as e:
-            _fail(scrub(f"cannot read telemetry from {store.target}: {type(e).__name__}: {e}", secrets), code=1)
+        except TelemetryError as e:  # Redis down or refused the credentials (the message is already redacted)
+            _fail(scrub(str(e), secrets), code=1)
 
     if watch:
         _watch(read, json_output=json_output, plot=plot, interval=interval, refreshes=refreshes)

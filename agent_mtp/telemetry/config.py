@@ -1,4 +1,5 @@
-"""Telemetry settings, the one place that reads the environment, URL redaction and key-part validation.
+"""Telemetry settings, the one place that reads the environment, and key-part validation (Redis URLs are parsed,
+checked and redacted by :mod:`agent_mtp.redis_url`, shared with the breaker).
 
 Environment (read only by :func:`load_env`):
 
@@ -14,9 +15,9 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
-from urllib.parse import SplitResult, unquote, urlsplit, urlunsplit
 
 from agent_mtp.errors import TelemetryError
+from agent_mtp.redis_url import redact_url, validate_redis_url
 
 ENV_REDIS_URL = "AGENT_MTP_REDIS_URL"
 ENV_NAMESPACE = "AGENT_MTP_TELEMETRY_NAMESPACE"
@@ -27,7 +28,6 @@ BUCKET_S = 10
 WINDOWS: dict[str, int] = {"1m": 60, "5m": 300, "1h": 3600}
 """The named windows of the dashboard; :func:`parse_window` also accepts other ``<n>s|m|h`` values."""
 
-_URL_SCHEMES = ("redis", "rediss", "unix")
 _KEY_PART = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-/]{0,127}")
 _NAMESPACE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}")
 _WINDOW = re.compile(r"([1-9][0-9]*)([smh])")
@@ -66,7 +66,7 @@ class TelemetryConfig:
     def __post_init__(self) -> None:
         validate_namespace(self.namespace)
         if self.redis_url is not None:
-            validate_redis_url(self.redis_url)
+            validate_redis_url(self.redis_url, setting="telemetry redis_url")
         _require_positive("flush_interval_s", self.flush_interval_s)
         _require_positive("socket_timeout_s", self.socket_timeout_s)
         if self.retention_s < max(WINDOWS.values()) + BUCKET_S:
@@ -120,74 +120,6 @@ def _require_positive(name: str, value: float) -> None:
     if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
         msg = f"{name}={value!r} must be a positive number of seconds"
         raise TelemetryError(msg)
-
-
-def _split(url: str) -> SplitResult:
-    try:
-        parts = urlsplit(url)
-        _ = parts.port  # raises ValueError on a bad port
-    except ValueError as e:
-        msg = f"cannot parse the Redis URL {redact_url(url)!r}: {e}; expected redis://[user:password@]host:port/db"
-        raise TelemetryError(msg) from None
-    return parts
-
-
-def validate_redis_url(url: str) -> None:
-    """Raise :class:`TelemetryError` (with the password redacted) unless ``url`` is a usable Redis URL."""
-    if not isinstance(url, str):
-        msg = f"the Redis URL must be a string, got {type(url).__name__}"
-        raise TelemetryError(msg)
-    parts = _split(url)
-    if parts.scheme not in _URL_SCHEMES:
-        msg = (
-            f"unsupported Redis URL scheme {parts.scheme!r} in {redact_url(url)!r}; "
-            "use redis:// , rediss:// (TLS) or unix://"
-        )
-        raise TelemetryError(msg)
-    if parts.scheme != "unix" and not parts.hostname:
-        msg = f"the Redis URL {redact_url(url)!r} has no host; expected redis://host:port/db"
-        raise TelemetryError(msg)
-
-
-def redact_url(url: str) -> str:
-    """``url`` with its password (and any ``password=`` query value) replaced by ``***``."""
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return "<unparseable Redis URL>"
-    netloc = parts.netloc
-    if "@" in netloc:
-        userinfo, _, hostport = netloc.rpartition("@")
-        user, has_password, _ = userinfo.partition(":")
-        # A lone userinfo (redis://secret@host) is hidden too: people put passwords there by mistake.
-        netloc = f"{user}:***@{hostport}" if has_password else f"***@{hostport}"
-    query = re.sub(r"(?i)(password=)[^&]*", r"\1***", parts.query)
-    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
-
-
-def url_secrets(url: str | None) -> tuple[str, ...]:
-    """Secret strings in ``url`` (password, lone userinfo, ``password=`` values), to scrub from messages."""
-    if not url:
-        return ()
-    secrets: list[str] = []
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return (url,)
-    if parts.password:
-        secrets.append(parts.password)
-    elif parts.username:
-        secrets.append(parts.username)
-    secrets.extend(re.findall(r"(?i)password=([^&]*)", parts.query))
-    secrets.extend([unquote(s) for s in secrets])
-    return tuple(s for s in dict.fromkeys(secrets) if s)
-
-
-def scrub(text: str, secrets: tuple[str, ...]) -> str:
-    """``text`` with every secret replaced by ``***`` (for exception messages that might echo a URL)."""
-    for secret in secrets:
-        text = text.replace(secret, "***")
-    return text
 
 
 def is_valid_key_part(value: object) -> bool:

@@ -24,8 +24,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import islice
 
+from agent_mtp.redis_url import scrub
 from agent_mtp.telemetry.aggregate import SCRIPT_ERRORS, UNVERIFIED_BATCHES, Batch
-from agent_mtp.telemetry.config import TelemetryConfig, scrub
+from agent_mtp.telemetry.config import TelemetryConfig
 from agent_mtp.telemetry.store import STORE_ERRORS, Store
 
 logger = logging.getLogger("agent_mtp.telemetry")

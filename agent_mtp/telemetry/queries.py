@@ -14,11 +14,13 @@ from typing import Any
 
 import redis
 
+from agent_mtp.errors import TelemetryError
+from agent_mtp.redis_url import scrub
 from agent_mtp.telemetry import aggregate as f
 from agent_mtp.telemetry import histogram
 from agent_mtp.telemetry.aggregate import SeriesKey, bucket_start
 from agent_mtp.telemetry.config import BUCKET_S, TelemetryConfig, parse_window
-from agent_mtp.telemetry.store import RedisStore, Store
+from agent_mtp.telemetry.store import STORE_ERRORS, RedisStore, Store
 
 ALL = "*"
 GROUP_FIELDS = ("model", "step_type", "mode")
@@ -262,11 +264,17 @@ def query_stats(
     now: float | None = None,
     group_by: Sequence[str] = ("step_type", "mode"),
 ) -> StatsReport:
-    """Read the window from ``store`` and summarise it."""
+    """Read the window from ``store`` and summarise it. A store that cannot be read (Redis down, wrong password)
+    raises :class:`~agent_mtp.errors.TelemetryError` naming the redacted URL."""
     window_s = parse_window(window)
     now = time.time() if now is None else now
     buckets = window_buckets(window_s, now)
-    data = store.read(buckets)
+    try:
+        data = store.read(buckets)
+    except STORE_ERRORS as e:
+        detail = scrub(f"{type(e).__name__}: {e}", getattr(store, "secrets", ()))
+        hint = "check the user and password" if isinstance(e, redis.AuthenticationError) else "is Redis running?"
+        raise TelemetryError(f"cannot read telemetry from {store.target}: {detail}; {hint}") from None
     health: dict[str, int] = {}
     for values in data.per_bucket_health.values():
         for name, value in values.items():

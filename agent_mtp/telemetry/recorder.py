@@ -10,6 +10,7 @@ import socket
 import threading
 import time
 import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, get_args
 
@@ -17,8 +18,9 @@ import redis
 
 from agent_mtp.errors import TelemetryError
 from agent_mtp.events import InterventionEvent, InterventionKind, StepEvent
+from agent_mtp.redis_url import url_secrets
 from agent_mtp.telemetry.aggregate import RECORD_ERRORS, Pending
-from agent_mtp.telemetry.config import ENV_REDIS_URL, TelemetryConfig, parse_window, url_secrets
+from agent_mtp.telemetry.config import ENV_REDIS_URL, TelemetryConfig, parse_window
 from agent_mtp.telemetry.flusher import Flusher
 from agent_mtp.telemetry.store import MemoryStore, RedisStore, Store
 
@@ -270,6 +272,24 @@ class Telemetry:
 
     def __repr__(self) -> str:
         return f"Telemetry(target={self._store.target!r}, namespace={self.config.namespace!r})"
+
+
+_process_telemetry: Telemetry | None = None
+_process_lock = threading.Lock()
+
+
+def process_telemetry(environ: Mapping[str, str] | None = None) -> Telemetry | None:
+    """The process-wide recorder of front ends that were given none: a :class:`Telemetry` writing to
+    ``AGENT_MTP_REDIS_URL`` (built on first use and shared, so one flusher thread per process; a forked child gets
+    its own), or None when the variable is unset. A bad URL raises :class:`~agent_mtp.errors.RedisURLError`."""
+    global _process_telemetry
+    config = TelemetryConfig.from_env(environ)
+    if config.redis_url is None:
+        return None
+    with _process_lock:
+        if _process_telemetry is None or _process_telemetry.config != config:  # the environment changed
+            _process_telemetry = Telemetry(config=config)
+        return _process_telemetry
 
 
 def _make_store(target: str | redis.Redis | Store | None, config: TelemetryConfig) -> Store:

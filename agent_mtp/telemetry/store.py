@@ -26,8 +26,9 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from agent_mtp.redis_url import redact_url, url_secrets
 from agent_mtp.telemetry.aggregate import Aggregate, Batch, SeriesKey
-from agent_mtp.telemetry.config import TelemetryConfig, redact_url
+from agent_mtp.telemetry.config import TelemetryConfig
 from agent_mtp.telemetry.lua import FLUSH_SCRIPT
 
 WriteResult = Literal["applied", "duplicate"]
@@ -98,12 +99,16 @@ class RedisStore:
         self.config = config
         self.prefix = "{" + config.namespace + "}:t"
         self.target = target or _describe_client(client)
+        self.secrets: tuple[str, ...] = ()
+        """Strings scrubbed from error messages (the password of the URL this store was built from)."""
         self._script = client.register_script(FLUSH_SCRIPT)
 
     @classmethod
     def from_url(cls, url: str, *, config: TelemetryConfig) -> RedisStore:
         client = build_client(url, socket_timeout_s=config.socket_timeout_s)
-        return cls(client, config=config, target=redact_url(url))
+        store = cls(client, config=config, target=redact_url(url))
+        store.secrets = url_secrets(url)
+        return store
 
     # -- keys -----------------------------------------------------------------------------------------------
     def series_key(self, key: SeriesKey) -> str:

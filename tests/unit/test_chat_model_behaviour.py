@@ -14,7 +14,7 @@ from pydantic import BaseModel, Field, ValidationError
 from typing_extensions import TypedDict
 
 from agent_mtp import AgentMTPChat
-from agent_mtp.errors import ConfigError, DeadlineExceededError, PromptTooLongError
+from agent_mtp.errors import ConfigError, DeadlineExceededError, PolicyError, PromptTooLongError
 from agent_mtp.events import MemoryRecorder, StepEvent
 from agent_mtp.langchain import MTPContextOverflowError, MTPInvalidRequestError, MTPTimeoutError
 from tests.unit.test_chat_model_helpers import shared_tiny_engine
@@ -348,12 +348,14 @@ def test_bad_requests_are_invalid_request_errors(engine):
 
 
 def test_bad_settings_fail_at_construction(engine):
-    with pytest.raises(ValidationError, match="threshold"):
+    """Agent-mtp errors of LangChain's class (never pydantic's ValidationError) that name the value."""
+    with pytest.raises(MTPInvalidRequestError, match=r"threshold=-1\.0"):
         AgentMTPChat(model=engine, threshold=-1.0)
-    with pytest.raises(ValidationError, match="policy=None"):
+    with pytest.raises(MTPInvalidRequestError, match="policy=None"):
         AgentMTPChat(model=engine, mode="ntp", policy="default")
-    with pytest.raises(ValidationError, match="does not exist"):
+    with pytest.raises(PolicyError, match="does not exist") as info:
         AgentMTPChat(model=engine, policy="no/such/policy.yaml")
+    assert isinstance(info.value, ModelInvalidRequestError) and not isinstance(info.value, ValidationError)
     assert AgentMTPChat(model=engine, mode="ntp").policy is None
 
 

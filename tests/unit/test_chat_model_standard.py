@@ -39,5 +39,6 @@ def test_all_is_pinned() -> None:
         "MTPContextOverflowError",
         "MTPInvalidRequestError",
         "MTPModelNotFoundError",
+        "MTPPolicyError",
         "MTPTimeoutError",
     ]

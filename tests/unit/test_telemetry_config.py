@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from agent_mtp.errors import TelemetryError
+from agent_mtp.redis_url import scrub, url_secrets
 from agent_mtp.telemetry import TelemetryConfig, parse_window, redact_url, validate_key_part
-from agent_mtp.telemetry.config import load_env, scrub, url_secrets, validate_namespace
+from agent_mtp.telemetry.config import load_env, validate_namespace
 
 SECRET = "pa55-w0rd%21"
 

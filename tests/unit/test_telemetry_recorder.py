@@ -287,6 +287,7 @@ def test_public_surface_is_pinned() -> None:
         "TelemetryStats",
         "WINDOWS",
         "parse_window",
+        "process_telemetry",
         "query_stats",
         "redact_url",
         "redis_store",
