@@ -4,6 +4,8 @@ Two tools and a structured final answer, all grammar-constrained, with the MTP s
 
     python examples/langgraph_agent.py
     python examples/langgraph_agent.py "What is the weather in Oslo, in Fahrenheit?" --policy latency
+    python examples/langgraph_agent.py --base-url http://127.0.0.1:8000/v1     # the same agent, through
+                                                              # `agent-mtp serve` and langchain-openai's ChatOpenAI
 
 The default model is SmolLM2-135M-Instruct. Once a call is forced it fills the arguments well (copying from the
 question and from earlier tool results), but on its own it rarely decides to start a call or which tool comes
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -25,6 +28,7 @@ import torch
 from langchain.agents import create_agent
 from langchain.agents.middleware import ModelRequest, ModelResponse, wrap_model_call
 from langchain.agents.structured_output import ProviderStrategy
+from langchain_core.language_models import BaseChatModel
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, ToolMessage
 from langchain_core.tools import tool
 from pydantic import BaseModel, Field
@@ -71,7 +75,7 @@ def tools_then_answer(request: ModelRequest, handler: Callable[[ModelRequest], M
     return handler(request.override(model_settings={**request.model_settings, "tool_choice": choice}))
 
 
-def build_agent(llm: AgentMTPChat) -> Any:
+def build_agent(llm: BaseChatModel) -> Any:
     return create_agent(
         llm,
         tools=TOOLS,
@@ -85,6 +89,8 @@ def describe_step(message: AIMessage) -> str:
     """One line of MTP statistics for a model step."""
     mtp = message.response_metadata.get("mtp", {})
     policy = message.response_metadata.get("policy", {})
+    if not mtp:  # through the server (ChatOpenAI): the statistics are in the response's agent_mtp field
+        return "[served over the OpenAI API]"
     step = f"{policy.get('step_type', '-')}/{mtp.get('mode', '?')}"
     return (
         f"[{step}: {mtp.get('new_tokens', 0)} tokens in {mtp.get('forward_passes', 0)} forward passes, "
@@ -108,13 +114,35 @@ def print_message(message: BaseMessage) -> None:
         print(f"  user: {message.content}")
 
 
-def run(question: str, *, policy: str | None = "default", max_tokens: int = 96) -> dict[str, Any]:
+def make_llm(*, policy: str | None, max_tokens: int, base_url: str | None = None, api_key: str = "") -> BaseChatModel:
+    """AgentMTPChat in this process, or ChatOpenAI against `agent-mtp serve` at ``base_url`` (same policy)."""
+    if base_url is None:
+        if policy:
+            return AgentMTPChat(policy=policy, max_tokens=max_tokens)
+        return AgentMTPChat(mode="verified", max_tokens=max_tokens)
+    from langchain_openai import ChatOpenAI
+
+    options = {"policy": policy} if policy else {"mode": "verified"}
+    return ChatOpenAI(
+        base_url=base_url,
+        api_key=api_key or "unused",  # type: ignore[arg-type]
+        model="default",
+        max_tokens=max_tokens,  # type: ignore[call-arg]
+        temperature=0,
+        extra_body={"agent_mtp": options},
+    )
+
+
+def run(
+    question: str,
+    *,
+    policy: str | None = "default",
+    max_tokens: int = 96,
+    base_url: str | None = None,
+    api_key: str = "",
+) -> dict[str, Any]:
     """Run the agent on ``question``, printing each step; return the final state."""
-    if policy:
-        llm = AgentMTPChat(policy=policy, max_tokens=max_tokens)
-    else:
-        llm = AgentMTPChat(mode="verified", max_tokens=max_tokens)
-    agent = build_agent(llm)
+    agent = build_agent(make_llm(policy=policy, max_tokens=max_tokens, base_url=base_url, api_key=api_key))
     state: dict[str, Any] = {"messages": [HumanMessage(question)]}
     print_message(state["messages"][0])
     for update in agent.stream(state, stream_mode="updates"):
@@ -135,9 +163,12 @@ def main() -> None:
     parser.add_argument("--policy", default="default", help="default, latency, exact, a YAML path, or none")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument("--base-url", default=None, help="an `agent-mtp serve` server, e.g. http://127.0.0.1:8000/v1")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    run(args.question, policy=None if args.policy == "none" else args.policy, max_tokens=args.max_tokens)
+    policy = None if args.policy == "none" else args.policy
+    api_key = os.environ.get("OPENAI_API_KEY", "")
+    run(args.question, policy=policy, max_tokens=args.max_tokens, base_url=args.base_url, api_key=api_key)
 
 
 if __name__ == "__main__":
