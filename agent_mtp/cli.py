@@ -117,10 +117,10 @@ def demo(
     engine = load_engine(model, adapter, dtype, runtime)
     prompts = {p.id: p for p in load_suite("quick")}
     variants = [
-        Variant("HF generate (transformers)", None, engine.model.dtype),
+        Variant("HF generate", None, engine.model.dtype),
         Variant("ntp", DecodeConfig(mode="ntp")),
-        Variant("verified (lossless)", DecodeConfig(mode="verified", k_max=k_max)),
-        Variant(f"confadapt tau={threshold:g}", DecodeConfig(mode="confadapt", threshold=threshold, k_max=k_max)),
+        Variant("verified", DecodeConfig(mode="verified", k_max=k_max)),
+        Variant(f"confadapt {threshold:g}", DecodeConfig(mode="confadapt", threshold=threshold, k_max=k_max)),
     ]
     adapter_name = "shipped MTP adapter" if engine.adapter is not None else "no adapter (untrained mask)"
     console.print(
@@ -133,7 +133,7 @@ def demo(
         for variant in variants:
             run_once(engine, variant, next(iter(prompts.values())), baselines=models)
     table = Table(title=f"agent-mtp demo: HF generate vs the engine ({engine.runtime} runtime) on agent-like steps")
-    for col in ("step", "mode", "tokens", "tokens/forward", "tokens/s", "vs HF", "vs ntp", "same as NTP"):
+    for col in ("step", "mode", "tokens", "tok/pass", "tok/s", "vs HF", "vs ntp", "= ntp"):
         table.add_column(col, justify="right" if col not in ("step", "mode") else "left")
     for label, prompt_id in DEMO_PROMPTS:
         prompt = prompts[prompt_id]
@@ -154,8 +154,8 @@ def demo(
         out.print(f"\n[bold]{label}[/bold]: {engine.decode_tokens(runs[2].token_ids).strip()[:300]}")
     out.print(table)
     out.print(
-        "[dim]One run per cell on a shared CPU: timings vary +-30% run to run. `agent-mtp bench` runs every variant "
-        "on more prompts, interleaved, and reports pooled ratios.[/dim]"
+        "[dim]verified is lossless (= ntp token for token); confadapt trades exactness for speed. One run per cell: "
+        "timings vary +-30% run to run; `agent-mtp bench` runs more prompts, interleaved, with pooled ratios.[/dim]"
     )
 
 
