@@ -293,3 +293,16 @@ def test_transcripts_with_and_without_prefix_cache(tmp_path: Path):
     path.write_text('{"id": "x", "messages": "nope", "turns": []}\n')
     with pytest.raises(ConfigError, match=r"t\.jsonl:1"):
         load_transcripts(str(path))
+
+
+def test_cli_demo_runs_every_mode_side_by_side(tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    from agent_mtp.cli import app
+    from agent_mtp.engine.loading import CACHE_ENV
+
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    threads = torch.get_num_threads()
+    result = CliRunner().invoke(app, ["demo", "--model", str(tiny_model_dir), "--adapter", "none", "--threads", "1"])
+    torch.set_num_threads(threads)
+    assert result.exit_code == 0, result.output
+    for label in ("HF generate", "verified", "confadapt", "fast runtime", "vs ntp"):
+        assert label in result.output
