@@ -344,7 +344,7 @@ class MTPEngine:
             runner.forward(prefix, 1)
 
             def forward_n(n: int) -> None:
-                runner.forward([self.mask_token_id] * n, 1)
+                runner.forward([self.mask_token_id] * n, n)  # every row read, as a decode pass does
                 runner.drop(n)
 
             return measure_cost_curve(forward_n)
