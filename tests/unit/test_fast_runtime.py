@@ -182,14 +182,14 @@ def test_runtime_choice_is_validated() -> None:
     engine = tiny_engine()
     with pytest.raises(ConfigError, match="runtime='turbo'"):
         MTPEngine(_loaded(engine), runtime="turbo")  # type: ignore[arg-type]
-    bf16 = tiny_engine()
-    bf16.model.to(torch.bfloat16)
-    assert unsupported_reason(bf16.model) is not None
-    assert MTPEngine(_loaded(bf16), runtime="auto").runtime == "hf"
+    half = tiny_engine()
+    half.model.to(torch.float16)
+    assert "float16" in str(unsupported_reason(half.model))
+    assert MTPEngine(_loaded(half), runtime="auto").runtime == "hf"
     with pytest.raises(ConfigError, match="runtime='fast' cannot run"):
-        MTPEngine(_loaded(bf16), runtime="fast")
+        MTPEngine(_loaded(half), runtime="fast")
     with pytest.raises(ValueError, match="cannot run"):
-        FastModel.from_hf(bf16.model, mask_token_id=None)
+        FastModel.from_hf(half.model, mask_token_id=None)
 
 
 def _loaded(engine: MTPEngine) -> LoadedModel:
@@ -248,3 +248,25 @@ def test_odd_adapter_rank_matches_hf() -> None:
     tokens = [*_random_ids(9, 4), m, m, m]
     expected = CachedRunner(engine.model).forward(tokens, 4)
     torch.testing.assert_close(engine.new_runner().forward(tokens, 4), expected, atol=ATOL, rtol=1e-4)
+
+
+def test_bfloat16_weights_track_the_rounded_fp32_model() -> None:
+    """bf16 weights, fp32 activations: close to an fp32 model with the same (bf16-rounded) weights, and verified
+    stays exact against this runtime's own ntp."""
+    engine = _engine("llama", adapter=True)
+    reference = CachedRunner(engine.model)
+    engine.model.to(torch.bfloat16)
+    assert engine.adapter is not None
+    bf16 = MTPEngine(_loaded(engine), adapter=engine.adapter, runtime="fast")
+    m = engine.mask_token_id
+    tokens = [*_random_ids(20, 6), m, m]
+    got = bf16.new_runner().forward(tokens, 3)
+    engine.model.float()  # the bf16-rounded weights, back in fp32
+    expected = reference.forward(tokens, 3)
+    assert got.dtype == torch.float32
+    assert (got - expected).abs().max() < 0.05 * expected.abs().max()
+    engine.model.to(torch.bfloat16)
+    for seed in range(3):
+        prompt = _random_ids(6 + seed, 40 + seed)
+        ntp = bf16.generate(prompt, DecodeConfig(mode="ntp", max_new_tokens=24)).token_ids
+        assert bf16.generate(prompt, DecodeConfig(mode="verified", k_max=4, max_new_tokens=24)).token_ids == ntp

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from agent_mtp.engine.fast.cache import KVCache
-from agent_mtp.engine.fast.weights import PackedLinear, Projection, rope_pair_order, stack_low_rank
+from agent_mtp.engine.fast.weights import WEIGHT_DTYPES, PackedLinear, Projection, rope_pair_order, stack_low_rank
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3"})
 SDPA_FROM_ROWS = 32
@@ -60,8 +60,8 @@ def unsupported_reason(model: Any) -> str | None:
     params = next(model.parameters())
     if params.device.type != "cpu":
         return f"the model is on {params.device} (the fast runtime is for the CPU)"
-    if params.dtype != torch.float32:
-        return f"dtype={params.dtype} (the fast runtime runs float32)"
+    if params.dtype not in WEIGHT_DTYPES:
+        return f"dtype={params.dtype} (the fast runtime reads float32 or bfloat16 weights)"
     if getattr(config, "hidden_act", "silu") != "silu":
         return f"hidden_act={config.hidden_act!r} (only silu)"
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
@@ -130,7 +130,12 @@ class FastModel:
     """A prepared copy of a Llama/Qwen2/Qwen3 model (plus its gated MTP adapter) for the CPU.
 
     Build once per process with :meth:`from_hf`; :meth:`forward` appends tokens to a :class:`KVCache` and returns
-    the logits of the last ``keep`` rows. Thread-safe for concurrent forwards on different caches."""
+    the logits of the last ``keep`` rows. Thread-safe for concurrent forwards on different caches.
+
+    Weights keep the model's dtype: float32 (exact against the HF forward up to kernel rounding) or bfloat16 (half
+    the bytes per pass; GEMM inputs are rounded to bfloat16, everything else -- residual stream, norms, RoPE,
+    attention, KV cache, logits -- stays float32, so it is closer to the float32 model than HF's all-bfloat16
+    forward, but not equal to either)."""
 
     def __init__(self, model: Any, *, mask_token_id: int | None, prepack: bool = True) -> None:
         reason = unsupported_reason(model)
@@ -155,7 +160,7 @@ class FastModel:
         order_q = rope_pair_order(self.num_heads, self.head_dim)
         order_k = rope_pair_order(self.kv_heads, self.head_dim)
         self.layers = [self._prepare_layer(layer, order_q, order_k, prepack) for layer in decoder.layers]
-        self.final_norm = decoder.norm.weight.detach()
+        self.final_norm = decoder.norm.weight.detach().float()
         self.lm_head = PackedLinear(model.get_output_embeddings().weight.detach(), prepack=prepack)
         self._rotary = decoder.rotary_emb
         self._rope = torch.empty(0, 1, self.head_dim // 2, dtype=torch.complex64)
@@ -187,17 +192,17 @@ class FastModel:
         k_norm = getattr(attn, "k_norm", None)
         half_order = rope_pair_order(1, self.head_dim)
         return _Layer(
-            input_norm=layer.input_layernorm.weight.detach(),
+            input_norm=layer.input_layernorm.weight.detach().float(),
             qkv=Projection(
                 torch.cat([wq, wk, wv]),
                 _cat_bias((bq, bk, bv), sizes),
                 stack_low_rank((lq, lk, lv), sizes),
                 prepack=prepack,
             ),
-            q_norm=q_norm.weight.detach()[half_order] if q_norm is not None else None,
-            k_norm=k_norm.weight.detach()[half_order] if k_norm is not None else None,
+            q_norm=q_norm.weight.detach()[half_order].float() if q_norm is not None else None,
+            k_norm=k_norm.weight.detach()[half_order].float() if k_norm is not None else None,
             o=Projection(wo, bo, stack_low_rank((lo,), (int(wo.shape[0]),)), prepack=prepack),
-            post_norm=layer.post_attention_layernorm.weight.detach(),
+            post_norm=layer.post_attention_layernorm.weight.detach().float(),
             gate_up=Projection(
                 torch.cat([wg, wu]),
                 _cat_bias((bg, bu), (inter, inter)),
@@ -234,7 +239,7 @@ class FastModel:
             return []
         segments = self._segments(items)
         tokens = [t for item in items for t in item.tokens]
-        x = F.embedding(torch.tensor(tokens, dtype=torch.long), self.embed)  # [N, H]
+        x = F.embedding(torch.tensor(tokens, dtype=torch.long), self.embed).float()  # [N, H]
         rows = _mask_rows(tokens, self.mask_token_id)
         if rows is not None and self.mask_embedding is not None:
             x[rows] = self.mask_embedding
