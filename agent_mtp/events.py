@@ -30,6 +30,10 @@ class StepEvent:
     model: str = "default"
     new_tokens: int = 0
     forward_passes: int = 0
+    prompt_tokens: int = 0
+    """Prompt tokens of the returned attempt."""
+    cached_prompt_tokens: int = 0
+    """Of those, the tokens whose keys and values came from the engine's prefix cache (not prefilled)."""
     attempts: int = 1
     """1 + number of retries."""
     fallback: bool = False

@@ -221,7 +221,7 @@ class Delta:
     tool_call_chunks: list[Any]
     token_ids: tuple[int, ...]
     usage: Usage
-    """Input tokens on the first delta only; output tokens of this delta."""
+    """Output tokens of this delta; input (and cached input) tokens on the last delta only."""
     finish_reason: str | None = None
     result: Result | None = None
 
@@ -300,7 +300,7 @@ class Service:
             delta = parser.feed(piece.text) if parser else None
             content = delta.content if delta else piece.text
             chunks = list(delta.tool_call_chunks) if delta else []
-            usage = Usage(len(call.prompt_ids) if first else 0, len(piece.token_ids))
+            usage = Usage(0, len(piece.token_ids))  # input tokens on the last delta, once the cache hit is known
             first = False
             if piece.finish_reason is None:
                 tool_calls += len(chunks)
@@ -315,6 +315,7 @@ class Service:
             generation = GenerationResult("".join(text), ids, piece.finish_reason, piece.stats)
             outcome = controller.observe(plan, generation, prompt=call.prompt_ids, validators=call.validators)
             result = self._result(call, outcome, self._parse(call, generation.text), streamed_calls=tool_calls)
+            usage = dataclasses.replace(result.usage, output_tokens=len(piece.token_ids))
             yield Delta(content, chunks, tuple(piece.token_ids), usage, result.finish_reason, result)
             return
 
@@ -407,7 +408,7 @@ class Service:
             invalid_tool_calls=invalid,
             finish_reason=finish,
             generation=generation,
-            usage=Usage(len(call.prompt_ids), len(generation.token_ids)),
+            usage=Usage(len(call.prompt_ids), len(generation.token_ids), generation.stats.cached_prompt_tokens),
             model=self.engine.model_id,
             policy=None if call.request.policy is None else dict(outcome.metadata()),
             event=outcome.event,
@@ -510,7 +511,7 @@ def checked_tool_choice(tool_choice: Any, names: Sequence[str]) -> str | None:
 def prompt_ids(tokenizer: Any, request: Request) -> list[int]:
     """Token ids of ``request``'s messages with the tool block and answer-format instruction as a system block."""
     answer_schema, json_answer = answer_format(request.response_format)
-    specs, choice, use_tools = tool_plan(request.tools, request.tool_choice)
+    specs = tool_plan(request.tools, request.tool_choice).specs
     if not request.messages:
         raise EmptyPromptError("There are no messages to answer; pass at least one message.")
     if not any(_has_content(m) for m in request.messages):
@@ -520,10 +521,12 @@ def prompt_ids(tokenizer: Any, request: Request) -> list[int]:
         )
         raise EmptyPromptError(msg)
     blocks = []
-    if use_tools:
-        blocks.append(tools_system_block(specs, choice, parallel=request.parallel_tool_calls))
+    # The same system block at every step of an agent, whatever this step's tool_choice (the grammar enforces it):
+    # the conversation so far stays a token prefix of the next step's prompt, for the engine's prefix cache.
+    if specs:
+        blocks.append(tools_system_block(specs, parallel=request.parallel_tool_calls))
     if json_answer:
-        blocks.append(_json_block(answer_schema, alongside_tools=use_tools))
+        blocks.append(_json_block(answer_schema, alongside_tools=bool(specs)))
     messages = with_system_block([dict(m) for m in request.messages], "\n\n".join(blocks) or None)
     return render_messages(tokenizer, messages)
 

@@ -131,8 +131,12 @@ def render_tool_call(name: str, args: Mapping[str, Any]) -> str:
     return f"{_BLOCK_OPEN}{payload}{_BLOCK_CLOSE}"
 
 
-def tools_system_block(specs: Sequence[ToolSpec], tool_choice: str | None, *, parallel: bool = False) -> str:
-    """The documented system-prompt block that describes the tools and the call syntax to the model."""
+def tools_system_block(specs: Sequence[ToolSpec], tool_choice: str | None = None, *, parallel: bool = False) -> str:
+    """The documented system-prompt block that describes the tools and the call syntax to the model.
+
+    The service renders it with ``tool_choice=None`` whatever the request's choice (the grammar enforces the
+    choice), so every step of an agent starts with the same tokens and the engine's prefix cache reads them once;
+    a one-off prompt may name the choice (``"any"`` or a tool name adds "You must call ... now.")."""
     listing = "\n".join(json.dumps(s.prompt_entry(), ensure_ascii=False) for s in specs)
     example_name = specs[0].name if len(specs) == 1 else "<tool name>"
     lines = [

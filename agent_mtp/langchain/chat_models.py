@@ -128,8 +128,10 @@ class AgentMTPChat(BaseChatModel):
     results as user turns in ``<tool_response>`` tags, system messages first); a model without a template gets
     ``role: content`` lines. Text only: image, audio and file blocks raise :class:`MTPInvalidRequestError`.
 
-    Metadata: ``usage_metadata`` (input/output/total tokens; when streaming only the first chunk carries input
-    tokens) and ``response_metadata``: ``model_name``, ``finish_reason`` (``stop``, ``length``, ``timeout`` or
+    Metadata: ``usage_metadata`` (input/output/total tokens, and ``input_token_details["cache_read"]``: prompt
+    tokens whose keys and values came from the engine's prefix cache, so an agent's re-sent conversation is not
+    read again; when streaming only the last chunk carries input tokens) and ``response_metadata``:
+    ``model_name``, ``finish_reason`` (``stop``, ``length``, ``timeout`` or
     ``tool_calls``), ``mtp`` (mode, tokens_per_forward, forward_passes, accept_histogram, jump_forward_tokens,
     wall_s, ...) and ``policy`` (when a policy is used).
 
@@ -629,11 +631,15 @@ def _first(*values: Any) -> Any:
 
 
 def _usage(usage: Usage) -> UsageMetadata:
-    counts = {
+    """LangChain's usage metadata; ``input_token_details.cache_read``: prompt tokens read from the prefix cache
+    (on the message, or on the stream chunk that carries the input tokens: the last)."""
+    counts: dict[str, Any] = {
         "input_tokens": usage.input_tokens,
         "output_tokens": usage.output_tokens,
         "total_tokens": usage.total_tokens,
     }
+    if usage.input_tokens:
+        counts["input_token_details"] = {"cache_read": usage.cached_input_tokens}
     return cast(UsageMetadata, counts)  # the *_token_details keys are optional (mypy on 3.10 reads them as required)
 
 

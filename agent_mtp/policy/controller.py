@@ -411,6 +411,8 @@ class PolicyController:
             model=model_label(str(getattr(self.engine, "model_id", "default"))),
             new_tokens=stats.new_tokens if stats else 0,
             forward_passes=stats.forward_passes if stats else 0,
+            prompt_tokens=stats.prompt_tokens if stats else 0,
+            cached_prompt_tokens=stats.cached_prompt_tokens if stats else 0,
             attempts=max(len(attempts), 1),
             fallback=_safer_than(config, plan.policy_config),
             breaker_open=plan.breaker_open,

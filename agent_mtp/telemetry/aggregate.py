@@ -31,6 +31,9 @@ FALLBACKS = "fallbacks"
 BREAKER_OPEN = "breaker_open"
 NEW_TOKENS = "new_tokens"
 FORWARD_PASSES = "forward_passes"
+PROMPT_TOKENS = "prompt_tokens"
+CACHED_PROMPT_TOKENS = "cached_prompt_tokens"
+"""Prompt tokens read from the engine's prefix cache instead of prefilled."""
 NTP_KNOWN = "ntp_known"
 TTFT_COUNT = "ttft_count"
 MANUAL_INTERVENTIONS = "manual_interventions"
@@ -54,6 +57,10 @@ OVERFLOW_SERIES = "overflow_series"
 SCRIPT_ERRORS = "script_errors"
 UNVERIFIED_BATCHES = "unverified_batches"
 RECORD_ERRORS = "record_errors"
+LOST_REQUESTS = "lost_requests"
+"""Steps Redis acknowledged and then no longer had (restart without persistence, FLUSHALL): see lua.py."""
+LOST_DATA_EVENTS = "lost_data_events"
+"""Times a writer found Redis holding less than it had acknowledged."""
 
 _INTERVENTION_FIELDS = {
     "manual_intervention": MANUAL_INTERVENTIONS,
@@ -107,6 +114,18 @@ def _seconds(value: object) -> float | None:
     return None
 
 
+@dataclass(frozen=True)
+class Ledger:
+    """What a writer tells Redis with a batch so that Redis can notice lost data (see :mod:`.lua`)."""
+
+    epoch: str
+    """Random id of the writing process (host:pid can repeat: a restarted container is pid 1 again)."""
+    acknowledged: int
+    """Steps this writer's earlier batches carried that Redis acknowledged."""
+    floor: int
+    """Of those, the steps acknowledged longer ago than the retention: gone anyway, never counted as lost."""
+
+
 @dataclass
 class Batch:
     """What one flush sends: series aggregates, health counters and intervention notes, under one flush id.
@@ -125,6 +144,13 @@ class Batch:
     attempted: bool = False
     """True once the batch was sent at least once without an acknowledgement (it may have been applied)."""
     script_failures: int = 0
+    ledger: Ledger | None = None
+    """Set by the flusher before every send."""
+
+    @property
+    def requests(self) -> int:
+        """Steps counted in this batch."""
+        return sum(agg.counts.get(REQUESTS, 0) for agg in self.series.values())
 
     @property
     def size(self) -> int:
@@ -133,7 +159,7 @@ class Batch:
     def husk(self) -> int:
         """Drop the series (counting them as dropped); return how many series were dropped."""
         dropped = len(self.series)
-        requests = sum(agg.counts.get(REQUESTS, 0) for agg in self.series.values())
+        requests = self.requests
         interventions = sum(
             agg.counts.get(MANUAL_INTERVENTIONS, 0) + agg.counts.get(USER_VISIBLE_FAILURES, 0)
             for agg in self.series.values()
@@ -244,7 +270,13 @@ class Pending:
             agg.add(MONITOR_PREFIX + self._part(name))
 
     def _add_work(self, agg: Aggregate, event: StepEvent) -> None:
-        for name, value in ((NEW_TOKENS, event.new_tokens), (FORWARD_PASSES, event.forward_passes)):
+        work = (
+            (NEW_TOKENS, event.new_tokens),
+            (FORWARD_PASSES, event.forward_passes),
+            (PROMPT_TOKENS, event.prompt_tokens),
+            (CACHED_PROMPT_TOKENS, event.cached_prompt_tokens),
+        )
+        for name, value in work:
             amount = _count(value)
             if amount is None:
                 self.count_health(INVALID_VALUES)

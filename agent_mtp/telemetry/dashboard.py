@@ -16,6 +16,7 @@ from agent_mtp.telemetry.queries import MetricsRow, StatsReport, group_rows, tim
 _HEALTH_WARNINGS = (
     "dropped_buckets",
     "dropped_requests",
+    "lost_requests",
     "unverified_batches",
     "script_errors",
     "overflow_series",
@@ -53,6 +54,7 @@ def _speed_cells(row: MetricsRow) -> list[str]:
     return [
         str(row.requests),
         _num(row.tokens_per_forward),
+        _pct(row.prefix_cache_hit_rate),
         "-" if row.speedup_vs_ntp is None else f"{row.speedup_vs_ntp:.2f}x",
         _ms(row.p50_s),
         _ms(row.p95_s),
@@ -82,7 +84,8 @@ def stats_tables(report: StatsReport) -> list[Table]:
         ["steps", "timeout", "retry", "fallback", "error", "monitor fail"],
         _reliability_cells,
     )
-    speed = _table(report, "speed", ["steps", "tok/fwd", "speedup", "P50", "P95", "P99"], _speed_cells)
+    headers = ["steps", "tok/fwd", "cache hit", "speedup", "P50", "P95", "P99"]
+    speed = _table(report, "speed", headers, _speed_cells)
     return [reliability, speed]
 
 
@@ -99,7 +102,7 @@ def health_text(report: StatsReport) -> Text:
     problems = {name: report.health.get(name, 0) for name in _HEALTH_WARNINGS if report.health.get(name, 0)}
     if not problems:
         return Text(
-            "health: nothing dropped or rejected (latency percentiles: bucket upper edges, <= 10% high)",
+            "health: nothing dropped, lost or rejected (latency percentiles: bucket upper edges, <= 10% high)",
             style="green",
         )
     details = ", ".join(f"{name}={value}" for name, value in problems.items())

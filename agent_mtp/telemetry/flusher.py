@@ -11,7 +11,10 @@ possible only when:
   - more than ``MAX_UNCERTAIN_HUSKS`` such dropped batches wait for Redis at once: the oldest are forgotten
     and counted as ``unverified_batches`` (they may or may not have been applied);
   - the process dies (SIGKILL, ``os._exit``) before its last flush: one flush interval plus the backlog;
-  - Redis itself loses acknowledged writes (no AOF fsync, failover to a lagging replica).
+  - Redis itself loses acknowledged writes (no AOF fsync, failover to a lagging replica). This loss is *counted*:
+    every batch tells Redis how many steps this process had acknowledged so far (a per-process epoch counter,
+    see :mod:`agent_mtp.telemetry.lua`); Redis holding fewer adds the gap to the ``lost_requests`` health counter
+    at the next flush, as long as the gap is younger than ``retention_s`` (older data would have expired anyway).
 """
 
 from __future__ import annotations
@@ -19,15 +22,16 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import islice
 
 from agent_mtp.redis_url import scrub
-from agent_mtp.telemetry.aggregate import SCRIPT_ERRORS, UNVERIFIED_BATCHES, Batch
+from agent_mtp.telemetry.aggregate import SCRIPT_ERRORS, UNVERIFIED_BATCHES, Batch, Ledger
 from agent_mtp.telemetry.config import TelemetryConfig
-from agent_mtp.telemetry.store import STORE_ERRORS, Store
+from agent_mtp.telemetry.store import STORE_ERRORS, Applied, Store
 
 logger = logging.getLogger("agent_mtp.telemetry")
 
@@ -48,6 +52,8 @@ class FlushCounters:
     backlog_buckets: int
     last_error: str | None
     healthy: bool
+    lost_requests: int = 0
+    """Steps this process had flushed that Redis later no longer held (restart without persistence, FLUSHALL)."""
 
 
 class Flusher:
@@ -78,6 +84,13 @@ class Flusher:
         self._last_error: str | None = None
         self._last_warning = 0.0
         self._dropping_logged = False
+        self.epoch = uuid.uuid4().hex[:16]
+        """This process's id in the epoch counter (host:pid repeats across container restarts)."""
+        self._acknowledged = 0
+        self._ack_log: deque[tuple[float, int]] = deque()
+        """(monotonic time, steps acknowledged by then): what falls out of the retention window."""
+        self._floor = 0
+        self._lost = 0
 
     # -- backlog bound --------------------------------------------------------------------------------------
     def submit(self, batch: Batch | None) -> None:
@@ -134,8 +147,7 @@ class Flusher:
             return False
         while self.backlog:
             chunk = list(islice(self.backlog, MAX_BATCHES_PER_PIPELINE))
-            for item in chunk:
-                item.attempted = True
+            self._stamp(chunk)
             try:
                 results = self.store.write(chunk, self.writer)
             except STORE_ERRORS as e:
@@ -170,7 +182,31 @@ class Flusher:
                 self._duplicates += 1
             else:
                 self._flushed += 1
+            if isinstance(result, Applied) and result.lost_requests:
+                self._found_lost(result.lost_requests)
+            self._acknowledged += batch.requests
+            self._ack_log.append((time.monotonic(), self._acknowledged))
         return True
+
+    def _stamp(self, chunk: Sequence[Batch]) -> None:
+        """Mark the batches as sent and give each the ledger Redis checks it against (in pipeline order)."""
+        horizon = time.monotonic() - self.config.retention_s
+        while self._ack_log and self._ack_log[0][0] < horizon:
+            self._floor = self._ack_log.popleft()[1]
+        acknowledged = self._acknowledged
+        for batch in chunk:
+            batch.attempted = True
+            batch.ledger = Ledger(self.epoch, acknowledged, self._floor)
+            acknowledged += batch.requests
+
+    def _found_lost(self, requests: int) -> None:
+        self._lost += requests
+        logger.warning(
+            "telemetry: %s no longer holds %d steps this process had written (Redis restarted without "
+            "persistence, or the keys were deleted); counted as lost_requests in the health counters",
+            self.store.target,
+            requests,
+        )
 
     def _failed(self, error: BaseException) -> None:
         self._failures += 1
@@ -211,4 +247,5 @@ class Flusher:
             backlog_buckets=self.backlog_buckets,
             last_error=self._last_error,
             healthy=self.healthy,
+            lost_requests=self._lost,
         )

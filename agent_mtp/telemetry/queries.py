@@ -99,6 +99,12 @@ class MetricsRow:
         return _ratio(self.count(f.NEW_TOKENS), self.count(f.FORWARD_PASSES))
 
     @property
+    def prefix_cache_hit_rate(self) -> float | None:
+        """Share of prompt tokens read from the engine's prefix cache instead of prefilled (agents re-send the
+        conversation every step: the cache reads it once)."""
+        return _ratio(self.count(f.CACHED_PROMPT_TOKENS), self.count(f.PROMPT_TOKENS))
+
+    @property
     def speedup_vs_ntp(self) -> float | None:
         """Estimated plain-NTP time / actual time, over the steps whose NTP-equivalent time is known."""
         return _ratio(self.fields.get(f.NTP_EQUIVALENT_S, 0.0), self.fields.get(f.NTP_KNOWN_LATENCY_S, 0.0))
@@ -142,6 +148,8 @@ class MetricsRow:
                 f.BREAKER_OPEN,
                 f.NEW_TOKENS,
                 f.FORWARD_PASSES,
+                f.PROMPT_TOKENS,
+                f.CACHED_PROMPT_TOKENS,
                 f.MANUAL_INTERVENTIONS,
                 f.USER_VISIBLE_FAILURES,
             )
@@ -161,6 +169,7 @@ class MetricsRow:
             "monitor_failure_rates": self.monitor_failure_rates,
             "breaker_open_rate": self.breaker_open_rate,
             "tokens_per_forward": self.tokens_per_forward,
+            "prefix_cache_hit_rate": self.prefix_cache_hit_rate,
             "speedup_vs_ntp": self.speedup_vs_ntp,
             "latency_s": {
                 "p50": self.p50_s,

@@ -53,6 +53,8 @@ class TelemetryStats:
     dropped_buckets: int
     healthy: bool
     last_error: str | None
+    lost_requests: int = 0
+    """Steps this process had flushed that Redis later no longer held (also in the fleet's health counters)."""
 
 
 class Telemetry:
@@ -268,6 +270,7 @@ class Telemetry:
             dropped_buckets=counters.dropped_buckets,
             healthy=counters.healthy,
             last_error=counters.last_error,
+            lost_requests=counters.lost_requests,
         )
 
     def __repr__(self) -> str:

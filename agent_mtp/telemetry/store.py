@@ -8,6 +8,7 @@ Redis key schema (all keys share the hash tag ``{namespace}``, so a Redis Cluste
     {ns}:t:w:<bucket>                             set     writer ids ("host:pid") that flushed in a bucket
     {ns}:t:n                                      list    recent interventions (JSON, newest first)
     {ns}:t:f:<flush_id>                           string  marker that makes a flush idempotent
+    {ns}:t:e:<writer>:<epoch>                     string  steps of one writer process that Redis holds (loss check)
 
 ``<bucket>`` is the bucket start in whole epoch seconds. Every key has a TTL (``retention_s``; markers
 ``dedupe_ttl_s``).
@@ -27,11 +28,20 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from agent_mtp.redis_url import redact_url, url_secrets
-from agent_mtp.telemetry.aggregate import Aggregate, Batch, SeriesKey
+from agent_mtp.telemetry.aggregate import Aggregate, Batch, Ledger, SeriesKey
 from agent_mtp.telemetry.config import TelemetryConfig
 from agent_mtp.telemetry.lua import FLUSH_SCRIPT
 
-WriteResult = Literal["applied", "duplicate"]
+
+@dataclass(frozen=True)
+class Applied:
+    """A batch applied now; ``lost_requests``: steps of this writer that Redis had acknowledged and no longer holds
+    (found by the epoch counter, see :mod:`agent_mtp.telemetry.lua`)."""
+
+    lost_requests: int = 0
+
+
+WriteResult = Literal["applied", "duplicate"] | Applied
 """Per batch: applied now, or applied before under the same flush id (a failed script is an Exception)."""
 STORE_ERRORS = (redis.RedisError, OSError)
 """What a failing store raises (connection refused, timeout, auth, read-only replica, ...)."""
@@ -129,13 +139,18 @@ class RedisStore:
     def flush_key(self, flush_id: str) -> str:
         return f"{self.prefix}:f:{flush_id}"
 
+    def epoch_key(self, writer: str, epoch: str) -> str:
+        return f"{self.prefix}:e:{writer}:{epoch}"
+
     # -- writing --------------------------------------------------------------------------------------------
     def _script_call(self, batch: Batch, writer: str) -> tuple[list[str], list[str]]:
+        ledger = batch.ledger or Ledger("-", 0, 0)
         keys = [
             self.flush_key(batch.flush_id),
             self.health_key(batch.health_bucket),
             self.writers_key(batch.health_bucket),
             self.notes_key(),
+            self.epoch_key(writer, ledger.epoch),
         ]
         for key in batch.series:
             keys += [self.series_key(key), self.index_key(key.bucket)]
@@ -145,6 +160,10 @@ class RedisStore:
             writer,
             str(self.config.intervention_log_size),
             _payload(batch),
+            str(ledger.acknowledged),
+            str(ledger.floor),
+            str(batch.requests),
+            str(self.config.dedupe_ttl_s),
         ]
         return keys, args
 
@@ -191,6 +210,8 @@ class RedisStore:
 def _write_result(reply: object) -> WriteResult | Exception:
     if isinstance(reply, Exception):
         return reply
+    if isinstance(reply, list):
+        return Applied(int(reply[1]))
     return "applied" if reply == 1 else "duplicate"
 
 

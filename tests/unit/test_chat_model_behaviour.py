@@ -160,11 +160,14 @@ def test_streamed_tool_calls_aggregate_to_the_invoked_ones(engine):
     assert full.response_metadata["finish_reason"] == "tool_calls"
 
 
-def test_tool_choice_none_neither_prompts_nor_parses_tools(engine):
+def test_tool_choice_none_keeps_the_prompt_but_never_calls(engine):
+    """The tools stay in the prompt whatever the step's tool_choice (so each agent step's prompt extends the last
+    one, for the prefix cache); the grammar keeps "none" from calling."""
     llm = chat(engine).bind_tools([book_table], tool_choice="none")
     msg = llm.invoke("Book a table.")
-    assert msg.tool_calls == [] and msg.invalid_tool_calls == []
-    assert msg.usage_metadata["input_tokens"] == chat(engine).invoke("Book a table.").usage_metadata["input_tokens"]
+    assert msg.tool_calls == [] and msg.invalid_tool_calls == [] and "<tool_call>" not in msg.content
+    forced = chat(engine).bind_tools([book_table], tool_choice="any").invoke("Book a table.")
+    assert msg.usage_metadata["input_tokens"] == forced.usage_metadata["input_tokens"]
 
 
 def test_a_cut_off_call_is_reported_as_invalid(engine):
