@@ -19,9 +19,10 @@ come back when the machine is idle; output stays what the mode gives alone.
 from __future__ import annotations
 
 import logging
+import statistics
 import threading
 import time
-from collections.abc import Generator
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +39,17 @@ log = logging.getLogger("agent_mtp.engine.batching")
 
 DEFAULT_WINDOW_S = 0.002
 """How long a pass waits for sequences that have not submitted yet (they are between passes: sampling, grammar)."""
+
+
+MEASURED_ROWS = 64
+"""Pass times are measured by total rows up to this many (decode passes; longer ones are prefills)."""
+
+
+@dataclass(frozen=True)
+class PassTime:
+    seconds: float
+    """EWMA of the wall time of a pass with this many rows."""
+    count: int
 
 
 @dataclass
@@ -78,6 +90,8 @@ class BatchScheduler:
         self._last_rows: dict[BatchingRunner, int] = {}
         self._closed = False
         self._passes = self._sequences = self._rows = 0
+        self.pass_times: tuple[PassTime | None, ...] = (None,) * (MEASURED_ROWS + 1)
+        """Measured wall time of a pass by its total rows (EWMA; replaced, never mutated: read without a lock)."""
         self._thread = threading.Thread(target=self._loop, name="agent-mtp-batch", daemon=True)
         self._thread.start()
 
@@ -151,6 +165,7 @@ class BatchScheduler:
             return batch
 
     def _run(self, batch: list[_Job]) -> None:
+        started = time.perf_counter()
         try:
             with torch.no_grad():
                 outputs = self.model.forward_batch([job.item for job in batch])
@@ -159,13 +174,25 @@ class BatchScheduler:
                 job.error = e
                 job.done.set()
             return
+        rows = sum(len(job.item.tokens) for job in batch)
+        self._measure(rows, time.perf_counter() - started)
         with self._cond:
             self._passes += 1
             self._sequences += len(batch)
-            self._rows += sum(len(job.item.tokens) for job in batch)
+            self._rows += rows
         for job, logits in zip(batch, outputs, strict=True):
             job.logits = logits
             job.done.set()
+
+    def _measure(self, rows: int, seconds: float) -> None:
+        if rows > MEASURED_ROWS:
+            return
+        table = list(self.pass_times)
+        old = table[rows]
+        table[rows] = (
+            PassTime(seconds, 1) if old is None else PassTime(0.8 * old.seconds + 0.2 * seconds, old.count + 1)
+        )
+        self.pass_times = tuple(table)
 
 
 class BatchingRunner(FastRunner):
@@ -206,30 +233,58 @@ class SharedPassCurve(CostCurve):
     """Cost of feeding n rows in a pass shared with other sequences, relative to feeding one.
 
     With ``B`` sequences in the pass (this one included) whose others feed ``R`` rows, going from one row to n
-    lengthens the pass by ``C(R + n) - C(R + 1)`` for all ``B`` of them, so this sequence's n-row pass costs
-    ``1 + B * (C(R + n) - C(R + 1)) / C(R + 1)``: maximising tokens per unit of this cost is maximising the
-    aggregate tokens per second. Alone (B = 1, R = 0) it is the base curve.
+    lengthens the pass by ``T(R + n) - T(R + 1)`` for all ``B`` of them, so this sequence's n-row pass costs
+    ``1 + B * (T(R + n) - T(R + 1)) / T(R + 1)``: maximising tokens per unit of this cost is maximising the
+    aggregate tokens per second. ``T`` is the pass time the scheduler measures by total rows (the base curve,
+    scaled to the measurements, where a row count was not seen yet). Alone (B = 1) it is the base curve.
     """
 
     _base: CostCurve
     _runner: BatchingRunner
+    _cache: list[Any]
 
     def __init__(self, base: CostCurve, runner: BatchingRunner) -> None:
         object.__setattr__(self, "points", base.points)
         object.__setattr__(self, "_base", base)
         object.__setattr__(self, "_runner", runner)
+        object.__setattr__(self, "_cache", [None, ()])
 
     def cost(self, n: int) -> float:
         others, rows = self._runner.shared_load
-        return shared_pass_cost(self._base, n, others=others, other_rows=rows)
+        if others == 0:
+            return self._base.cost(n)
+        return shared_pass_cost(self._times(), n, others=others, other_rows=rows)
+
+    def _times(self) -> Sequence[float]:
+        table = self._runner.scheduler.pass_times
+        if self._cache[0] is not table:  # recomputed once per pass at most
+            self._cache[:] = [table, pass_time_curve(self._base, table)]
+        return self._cache[1]  # type: ignore[no-any-return]
 
 
-def shared_pass_cost(base: CostCurve, n: int, *, others: int, other_rows: int) -> float:
-    """See :class:`SharedPassCurve`."""
+def pass_time_curve(base: CostCurve, table: Sequence[PassTime | None], *, min_count: int = 2) -> list[float]:
+    """Relative pass time by total rows 0..len(table)-1 (index 0 unused): measured where seen ``min_count``
+    times, else the base curve scaled to the measurements; never decreasing with rows."""
+    measured = {r: t.seconds for r, t in enumerate(table) if t is not None and t.count >= min_count and r}
+    scale = statistics.median(t / base.cost(r) for r, t in measured.items()) if measured else 1.0
+    out, best = [0.0], 0.0
+    for r in range(1, len(table)):
+        best = max(best, measured.get(r, scale * base.cost(r)))
+        out.append(best)
+    return out
+
+
+def shared_pass_cost(times: Sequence[float], n: int, *, others: int, other_rows: int) -> float:
+    """See :class:`SharedPassCurve`; ``times[r]`` is the (relative) time of an r-row pass."""
     if others == 0:
-        return base.cost(n)
-    one = base.cost(other_rows + 1)
-    return 1.0 + (others + 1) * (base.cost(other_rows + n) - one) / one
+        return times[min(n, len(times) - 1)] / times[1]
+    last = len(times) - 1
+
+    def at(r: int) -> float:  # beyond the table: extend its last slope
+        return times[r] if r <= last else times[last] + (times[last] - times[last - 1]) * (r - last)
+
+    one = at(other_rows + 1)
+    return 1.0 + (others + 1) * (at(other_rows + n) - one) / one
 
 
 class BatchedEngine:
@@ -284,4 +339,13 @@ class BatchedEngine:
             self.scheduler.close()
 
 
-__all__ = ["BatchScheduler", "BatchedEngine", "BatchingRunner", "PassStats", "SharedPassCurve", "shared_pass_cost"]
+__all__ = [
+    "BatchScheduler",
+    "BatchedEngine",
+    "BatchingRunner",
+    "PassStats",
+    "PassTime",
+    "SharedPassCurve",
+    "pass_time_curve",
+    "shared_pass_cost",
+]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 import threading
 import time
@@ -10,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from agent_mtp.engine import DecodeConfig, MTPEngine
-from agent_mtp.engine.batching import BatchedEngine, shared_pass_cost
+from agent_mtp.engine.batching import BatchedEngine, PassTime, pass_time_curve, shared_pass_cost
 from agent_mtp.engine.cost import CostCurve
 from tests.tiny import tiny_engine
 
@@ -77,10 +78,25 @@ def test_a_stream_left_early_leaves_the_batch_at_once(engine: MTPEngine) -> None
 
 
 def test_shared_pass_cost_grows_with_concurrency() -> None:
-    assert shared_pass_cost(CURVE, 4, others=0, other_rows=0) == CURVE.cost(4)
-    alone, busy = (shared_pass_cost(CURVE, 4, others=o, other_rows=o) for o in (1, 15))
-    assert shared_pass_cost(CURVE, 1, others=15, other_rows=15) == pytest.approx(1.0)
+    times = pass_time_curve(CURVE, [None] * 65)
+    assert shared_pass_cost(times, 4, others=0, other_rows=0) == pytest.approx(CURVE.cost(4))
+    alone, busy = (shared_pass_cost(times, 4, others=o, other_rows=o) for o in (1, 15))
+    assert shared_pass_cost(times, 1, others=15, other_rows=15) == pytest.approx(1.0)
     assert busy > alone > 1.0
+    assert shared_pass_cost(times, 8, others=20, other_rows=60) > busy  # beyond the table: extrapolated
+
+
+def test_measured_pass_times_replace_the_base_curve() -> None:
+    table: list[PassTime | None] = [None] * 65
+    table[1] = PassTime(0.05, 5)
+    table[8] = PassTime(0.20, 5)  # rows cost far more than the base curve says (1.6x at 8)
+    times = pass_time_curve(CURVE, table)
+    assert times[8] == pytest.approx(0.20) and times[1] == pytest.approx(0.05)
+    assert all(b >= a for a, b in itertools.pairwise(times))  # never decreasing
+    assert times[32] > times[8]  # unmeasured: the base curve scaled to the measurements
+    measured = shared_pass_cost(times, 4, others=3, other_rows=3)
+    assumed = shared_pass_cost(pass_time_curve(CURVE, [None] * 65), 4, others=3, other_rows=3)
+    assert measured > assumed  # drafts shrink once passes are measured to be dear
 
 
 def test_hf_runtime_engine_is_served_serially() -> None:
