@@ -92,8 +92,8 @@ def loadtest(
         "ntp,verified,confadapt"
     ),
     suite: Annotated[str, typer.Option(help="Bench suite of prompts.")] = "agent",
-    requests_per_client: Annotated[int, typer.Option(help="Requests each client sends per cell.")] = 2,
-    max_tokens: Annotated[int, typer.Option(help="max_tokens per request.")] = 64,
+    requests_per_client: Annotated[int, typer.Option(help="Requests each client sends per cell.")] = 3,
+    max_tokens: Annotated[int | None, typer.Option(help="Cap on each prompt's own max_tokens.")] = None,
     threads: Annotated[int | None, typer.Option(help="torch threads of the server started here.")] = None,
     out_dir: Annotated[Path, typer.Option("--out", help="Directory for JSON, Markdown and PNG.")] = Path(
         "runs/loadtest"

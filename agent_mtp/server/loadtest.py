@@ -46,10 +46,11 @@ class LoadtestConfig:
     clients: tuple[int, ...] = (1, 4, 8, 16)
     policies: tuple[str, ...] = ("ntp", "verified", "confadapt")
     suite: str = "agent"
-    requests_per_client: int = 2
+    requests_per_client: int = 3
     """Requests each client sends per cell (at least; a cell has at least ``min_requests``)."""
     min_requests: int = 8
-    max_tokens: int = 64
+    max_tokens: int | None = None
+    """Cap on each prompt's own token budget (None: the suite's budgets, so tool calls are never cut off)."""
     timeout_s: float = 300.0
 
 
@@ -104,12 +105,12 @@ def _percentile(values: Sequence[float], q: float) -> float:
 
 
 # ------------------------------------------------------------------------------------------------ one request
-def request_body(prompt: BenchPrompt, variant: str, max_tokens: int) -> dict[str, Any]:
+def request_body(prompt: BenchPrompt, variant: str, max_tokens: int | None) -> dict[str, Any]:
     """The chat-completion body of a suite prompt under a variant."""
     body: dict[str, Any] = {
         "model": "default",
         "messages": [dict(m) for m in prompt.messages],
-        "max_tokens": min(prompt.max_new_tokens, max_tokens),
+        "max_tokens": min(prompt.max_new_tokens, max_tokens or prompt.max_new_tokens),
         "stream": True,
         "stream_options": {"include_usage": True},
         "agent_mtp": dict(VARIANTS.get(variant, {"policy": variant})),
@@ -132,7 +133,7 @@ def request_body(prompt: BenchPrompt, variant: str, max_tokens: int) -> dict[str
 
 
 async def one_request(
-    http: httpx.AsyncClient, url: str, prompt: BenchPrompt, variant: str, max_tokens: int
+    http: httpx.AsyncClient, url: str, prompt: BenchPrompt, variant: str, max_tokens: int | None
 ) -> RequestRecord:
     record = RequestRecord(prompt.id)
     body = request_body(prompt, variant, max_tokens)

@@ -31,7 +31,7 @@ def test_a_cell_against_a_tiny_server() -> None:
     service = Service(engine, concurrency="batched")
     settings = ServerSettings(model="tiny", served_model_name="default", policy="none")
     prompts = load_suite("agent")[:4]
-    config = LoadtestConfig(min_requests=4, max_tokens=8)
+    config = LoadtestConfig(requests_per_client=2, min_requests=4, max_tokens=8)
     with serving(create_app(settings, service=service)) as server:
         cells = [asyncio.run(run_cell(server.base_url, prompts, v, 2, config)) for v in ("ntp", "verified")]
     service.close()
