@@ -32,6 +32,7 @@ app = typer.Typer(help="agent-mtp: multi-token prediction for agents on local mo
 PART_CLIS = (
     "agent_mtp.policy.cli",
     "agent_mtp.telemetry.cli",
+    "agent_mtp.telemetry.web.cli",
     "agent_mtp.training.cli",
     "agent_mtp.bench.cli",
     "agent_mtp.server.cli",
