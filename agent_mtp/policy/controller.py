@@ -274,12 +274,44 @@ class PolicyController:
             )
         record = AttemptRecord(1, config, result, tuple(verdicts), probe=plan.probe, latency_s=latency)
         decisions = list(plan.decisions)
-        self._learn(plan, record)
-        change = self._feed_breaker(plan, record)
+        change = self.report(plan, record)
         if change:
             decisions.append(change)
         decisions.append(_attempt_summary(record))
         return self._finish(plan, [record], record, decisions)
+
+    def now(self) -> float:
+        """The controller's clock (monotonic unless injected): plans, latencies and deadlines are measured on it."""
+        return self._clock()
+
+    def attempt(
+        self,
+        plan: StepPlan,
+        index: int,
+        config: DecodeConfig,
+        prompt: Any,
+        *,
+        constraint_factory: ConstraintFactory | None = None,
+        validators: Sequence[Validator] = (),
+    ) -> AttemptRecord:
+        """Decode attempt ``index`` of a planned step with ``config`` and run the monitors on it. An engine error
+        comes back in ``record.error`` (the caller decides whether to retry or raise); call :meth:`report` after
+        a successful attempt."""
+        probe = plan.probe and index == 1
+        constraint = constraint_factory() if constraint_factory is not None else None
+        t0 = self._clock()
+        try:
+            result = self.engine.generate(prompt, config, constraint=constraint)
+        except Exception as exc:
+            return AttemptRecord(index, config, None, error=exc, probe=probe, latency_s=self._clock() - t0)
+        verdicts = self._check(plan, config, prompt, result, constraint_factory, tuple(validators))
+        return AttemptRecord(index, config, result, verdicts, probe=probe, latency_s=self._clock() - t0)
+
+    def report(self, plan: StepPlan, record: AttemptRecord) -> str | None:
+        """Learn from a finished attempt (NTP speed, likelihood baseline) and feed the step type's breaker; returns
+        the breaker's state change as a decision text (None when it did not change)."""
+        self._learn(plan, record)
+        return self._feed_breaker(plan, record)
 
     def breaker_status(self, step_type: str) -> BreakerStatus:
         return self.breakers.status(step_type)
@@ -457,27 +489,23 @@ class _StepRun:
         self.validators = validators
         self.attempts: list[AttemptRecord] = []
         self.decisions: list[str] = list(plan.decisions)
-        self.started = controller._clock()
+        self.started = controller.now()
 
     def attempt(self) -> AttemptRecord:
         index = len(self.attempts) + 1
-        config = self._config(index)
-        probe = self.plan.probe and index == 1
-        constraint = self.constraint_factory() if self.constraint_factory is not None else None
-        t0 = self.c._clock()
-        try:
-            result = self.c.engine.generate(self.prompt, config, constraint=constraint)
-        except Exception as exc:
-            record = AttemptRecord(index, config, None, error=exc, probe=probe, latency_s=self.c._clock() - t0)
-            self.attempts.append(record)
-            self.decisions.append(_attempt_summary(record))
-            raise
-        verdicts = self.c._check(self.plan, config, self.prompt, result, self.constraint_factory, self.validators)
-        record = AttemptRecord(index, config, result, verdicts, probe=probe, latency_s=self.c._clock() - t0)
+        record = self.c.attempt(
+            self.plan,
+            index,
+            self._config(index),
+            self.prompt,
+            constraint_factory=self.constraint_factory,
+            validators=self.validators,
+        )
         self.attempts.append(record)
         self.decisions.append(_attempt_summary(record))
-        self.c._learn(self.plan, record)
-        change = self.c._feed_breaker(self.plan, record)
+        if record.error is not None:
+            raise record.error
+        change = self.c.report(self.plan, record)
         if change:
             self.decisions.append(change)
         return record
@@ -506,7 +534,7 @@ class _StepRun:
         max_delay = self.plan.settings.retries.max_delay_s
         if max_delay is None:
             return config
-        left = max_delay - (self.c._clock() - self.started)
+        left = max_delay - (self.c.now() - self.started)
         if left <= 0 or (config.max_time is not None and config.max_time <= left):
             return config
         return config.replace(max_time=left)

@@ -6,12 +6,15 @@ import dataclasses
 import json
 import time
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from agent_mtp.errors import AgentMTPError, TrainingError
 from agent_mtp.training.evaluate import EvalPrompt
+
+if TYPE_CHECKING:
+    from agent_mtp.training.trainer import TrainConfig
 
 
 def register(app: typer.Typer) -> None:
@@ -140,30 +143,20 @@ def _distill(**o: Any) -> None:
 
     from agent_mtp.engine.loading import load_model
     from agent_mtp.training.data import build_prompts, generate_responses
-    from agent_mtp.training.objective import ObjectiveConfig
-    from agent_mtp.training.trainer import TrainConfig, Trainer, check_resume_base, load_data
+    from agent_mtp.training.trainer import Trainer, check_resume_base, load_data
 
     if o["threads"]:
         torch.set_num_threads(int(o["threads"]))
-    k_max = int(o["k_max"])
-    if k_max < 2:
-        raise TrainingError(f"--k-max {k_max}: MTP needs at least one mask; use 2 or more (8 is a good start).")
-    for name, allowed in (
-        ("adapter", ("gated-lora", "full")),
-        ("k_sampling", ("expected", "random")),
-        ("teacher", ("hard", "soft")),
-        ("slots", ("all", "prefix")),
-        ("model_dtype", ("fp32", "bf16")),
-        ("real_pass_cache", ("auto", "on", "off")),
-    ):
-        if o[name] not in allowed:
-            raise TrainingError(f"--{name.replace('_', '-')} {o[name]!r}: use one of {', '.join(allowed)}.")
+    if o["real_pass_cache"] not in ("auto", "on", "off"):
+        raise TrainingError(f"--real-pass-cache {o['real_pass_cache']!r}: use one of auto, on, off.")
     if o["real_pass_cache"] == "on" and (o["adapter"] != "gated-lora" or o["teacher"] != "hard"):
         raise TrainingError(
             "--real-pass-cache on needs --adapter gated-lora and --teacher hard (a full fine-tune changes the real "
             "tokens' pass, and the soft teacher needs logits the cache does not keep); use auto or off."
         )
     device = str(o["device"])
+    cfg = _train_config(o, device)
+    cfg.validate()  # every bad value fails here, before the data or the model is loaded
     if device == "cuda" and not torch.cuda.is_available():
         raise TrainingError("--device cuda: no CUDA device is visible; use --device cpu.")
     data_dir = Path(o["data_dir"])
@@ -195,14 +188,35 @@ def _distill(**o: Any) -> None:
     train, heldout = load_data(data_dir)
     if o["resume"] is not None:
         check_resume_base(o["resume"], model, lm.mask_token_id)
-    cfg = TrainConfig(
+    trainer = Trainer(
+        dataclasses.replace(lm, model=model),
+        config=cfg,
+        train=train,
+        heldout=heldout,
+        out_dir=o["out"],
+        progress=not o["no_progress"],
+        extra_eval=unseen_tool_prompts(lm.tokenizer, 2) if int(o["eval_prompts"]) > 0 else (),
+        real_pass_dir=o["real_pass_dir"],
+    )
+    if o["resume"] is not None:
+        trainer.resume(o["resume"])
+    metrics = trainer.run()
+    typer.echo(json.dumps({"out": str(o["out"]), "summary": trainer.summary(), "eval": metrics}, indent=2))
+
+
+def _train_config(o: dict[str, Any], device: str) -> TrainConfig:
+    """The training settings the ``distill`` options describe (validated by :meth:`TrainConfig.validate`)."""
+    from agent_mtp.training.objective import ObjectiveConfig
+    from agent_mtp.training.trainer import TrainConfig
+
+    return TrainConfig(
         adapter=o["adapter"],
         rank=int(o["rank"]),
         model_dtype=o["model_dtype"],
         target_modules=tuple(t.strip() for t in str(o["target_modules"]).split(",") if t.strip()),
         layers=parse_layers(str(o["layers"])),
         objective=ObjectiveConfig(
-            k_max=k_max,
+            k_max=int(o["k_max"]),
             k_sampling=o["k_sampling"],
             teacher=o["teacher"],
             slots=o["slots"],
@@ -225,20 +239,6 @@ def _distill(**o: Any) -> None:
         max_minutes=o["max_minutes"],
         seed=int(o["seed"]),
     )
-    trainer = Trainer(
-        dataclasses.replace(lm, model=model),
-        config=cfg,
-        train=train,
-        heldout=heldout,
-        out_dir=o["out"],
-        progress=not o["no_progress"],
-        extra_eval=unseen_tool_prompts(lm.tokenizer, 2) if int(o["eval_prompts"]) > 0 else (),
-        real_pass_dir=o["real_pass_dir"],
-    )
-    if o["resume"] is not None:
-        trainer.resume(o["resume"])
-    metrics = trainer.run()
-    typer.echo(json.dumps({"out": str(o["out"]), "summary": trainer.summary(), "eval": metrics}, indent=2))
 
 
 DEFAULT_SPEED_VARIANTS = (

@@ -19,7 +19,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args, get_type_hints
 
 import torch
 
@@ -84,13 +84,23 @@ class TrainConfig:
     seed: int = 0
 
     def validate(self) -> None:
+        """Raise :class:`TrainingError` naming the bad value (and its ``agent-mtp distill`` option) and the fix."""
         k = self.objective.k_max
         if k < 2:
-            raise TrainingError(f"k_max={k}: MTP needs at least one mask (k_max >= 2).")
-        if self.adapter not in ("gated-lora", "full"):
-            raise TrainingError(f"adapter={self.adapter!r}: use 'gated-lora' or 'full'.")
-        if self.model_dtype not in ("fp32", "bf16"):
-            raise TrainingError(f"model_dtype={self.model_dtype!r}: use 'fp32' or 'bf16'.")
+            msg = f"k_max={k} (--k-max {k}): MTP needs at least one mask; use 2 or more (8 is a good start)."
+            raise TrainingError(msg)
+        for owner, name in (
+            (self, "adapter"),
+            (self, "model_dtype"),
+            (self.objective, "k_sampling"),
+            (self.objective, "teacher"),
+            (self.objective, "slots"),
+        ):
+            allowed = get_args(get_type_hints(type(owner))[name])
+            value = getattr(owner, name)
+            if value not in allowed:
+                flag = f"--{name.replace('_', '-')} {value}"
+                raise TrainingError(f"{name}={value!r} ({flag}): use one of {', '.join(allowed)}.")
         if self.model_dtype == "bf16" and self.adapter != "gated-lora":
             raise TrainingError("model_dtype='bf16' needs --adapter gated-lora (use --bf16 autocast for 'full').")
         if self.train_layers is not None and self.adapter != "gated-lora":

@@ -341,3 +341,23 @@ def test_model_label_is_a_valid_telemetry_key_part():
         label = model_label(model_id)
         assert is_valid_key_part(label), (model_id, label)
     assert model_label("org/model") == "org/model"
+
+
+def test_one_attempt_through_the_public_api_and_no_private_reach_ins() -> None:
+    """A caller that runs its own retry loop (the step runner) uses plan/attempt/report/now, nothing private."""
+    import ast
+    import inspect
+
+    from agent_mtp.policy import controller as controller_module
+
+    engine = FakeEngine(texts={"static": BAD_TEXT})
+    controller, recorder = _controller(engine, _policy())
+    plan = controller.plan(TOOL)
+    record = controller.attempt(plan, 1, plan.config, "weather?", validators=[json_validator(TOOL_SCHEMA)])
+    assert record.result is not None and record.monitor_failed and record.error is None
+    assert controller.report(plan, record) is None  # fallback disabled: the breaker does not change
+    assert controller.now() >= plan.started_at and recorder.events == []  # attempts record no event
+    tree = ast.parse(inspect.getsource(controller_module._StepRun))
+    private = [n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr.startswith("_")]
+    private = [name for name in private if not name.startswith("__") and name != "_config"]
+    assert private == [], f"_StepRun reaches into {private}"

@@ -118,3 +118,22 @@ def test_interleave_spreads_sources_so_a_capped_build_has_both() -> None:
     assert [p.id for p in merged if p.source == "agent"] == [p.id for p in agent]  # order kept
     assert sorted(p.id for p in merged) == sorted(p.id for p in agent + chat)
     assert any(p.source == "sharegpt" for p in merged[:5])  # the first half already holds a chat prompt
+
+
+def test_cli_leaves_value_checks_to_train_config() -> None:
+    """Each bad option is refused once, by TrainConfig.validate (named with its option), before anything loads."""
+    import inspect
+
+    from agent_mtp.training import cli
+    from agent_mtp.training.objective import ObjectiveConfig
+    from agent_mtp.training.trainer import TrainConfig
+
+    source = inspect.getsource(cli._distill)
+    assert "k_max < 2" not in source and '("adapter", ("gated-lora", "full"))' not in source
+    for field, value in (("teacher", "warm"), ("slots", "some"), ("k_sampling", "odd"), ("model_dtype", "fp8")):
+        if field == "model_dtype":
+            config = TrainConfig(model_dtype=value)  # type: ignore[arg-type]
+        else:
+            config = TrainConfig(objective=ObjectiveConfig(**{field: value}))
+        with pytest.raises(TrainingError, match=f"--{field.replace('_', '-')} {value}"):
+            config.validate()
