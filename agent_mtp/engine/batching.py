@@ -19,7 +19,6 @@ come back when the machine is idle; output stays what the mode gives alone.
 from __future__ import annotations
 
 import logging
-import statistics
 import threading
 import time
 from collections.abc import Generator, Sequence
@@ -38,9 +37,11 @@ from agent_mtp.engine.results import GenerationResult, StreamChunk
 log = logging.getLogger("agent_mtp.engine.batching")
 
 DEFAULT_WINDOW_S = 0.002
-"""How long a pass waits for sequences that have not submitted yet (they are between passes: sampling, grammar)."""
+"""Shortest wait of a pass for sequences that have not submitted yet (they are between passes: sampling, grammar)."""
 
 
+STRAGGLER_SHARE = 0.15
+"""A pass waits for missing sequences up to this share of the last pass's time (at least ``window_s``)."""
 MEASURED_ROWS = 64
 """Pass times are measured by total rows up to this many (decode passes; longer ones are prefills)."""
 
@@ -90,6 +91,7 @@ class BatchScheduler:
         self._last_rows: dict[BatchingRunner, int] = {}
         self._closed = False
         self._passes = self._sequences = self._rows = 0
+        self._last_pass_s = 0.0
         self.pass_times: tuple[PassTime | None, ...] = (None,) * (MEASURED_ROWS + 1)
         """Measured wall time of a pass by its total rows (EWMA; replaced, never mutated: read without a lock)."""
         self._thread = threading.Thread(target=self._loop, name="agent-mtp-batch", daemon=True)
@@ -153,7 +155,9 @@ class BatchScheduler:
                     job.error = RuntimeError("The batch scheduler closed before this pass ran.")
                     job.done.set()
                 return None
-            deadline = time.perf_counter() + self.window_s
+            # a sequence still between passes (sampling, grammar, a busy core) joins if it comes within the
+            # window: its row costs a pass a few percent, leaving it out costs it a whole pass
+            deadline = time.perf_counter() + max(self.window_s, STRAGGLER_SHARE * self._last_pass_s)
             while len(self._jobs) < len(self._active) and not self._closed:
                 left = deadline - time.perf_counter()
                 if left <= 0:
@@ -175,7 +179,8 @@ class BatchScheduler:
                 job.done.set()
             return
         rows = sum(len(job.item.tokens) for job in batch)
-        self._measure(rows, time.perf_counter() - started)
+        self._last_pass_s = time.perf_counter() - started
+        self._measure(rows, self._last_pass_s)
         with self._cond:
             self._passes += 1
             self._sequences += len(batch)
@@ -235,8 +240,8 @@ class SharedPassCurve(CostCurve):
     With ``B`` sequences in the pass (this one included) whose others feed ``R`` rows, going from one row to n
     lengthens the pass by ``T(R + n) - T(R + 1)`` for all ``B`` of them, so this sequence's n-row pass costs
     ``1 + B * (T(R + n) - T(R + 1)) / T(R + 1)``: maximising tokens per unit of this cost is maximising the
-    aggregate tokens per second. ``T`` is the pass time the scheduler measures by total rows (the base curve,
-    scaled to the measurements, where a row count was not seen yet). Alone (B = 1) it is the base curve.
+    aggregate tokens per second. ``T`` is a line fitted to the pass times the scheduler measures by total rows
+    (:func:`pass_time_curve`). Alone (B = 1) it is the base curve.
     """
 
     _base: CostCurve
@@ -263,15 +268,30 @@ class SharedPassCurve(CostCurve):
 
 
 def pass_time_curve(base: CostCurve, table: Sequence[PassTime | None], *, min_count: int = 2) -> list[float]:
-    """Relative pass time by total rows 0..len(table)-1 (index 0 unused): measured where seen ``min_count``
-    times, else the base curve scaled to the measurements; never decreasing with rows."""
-    measured = {r: t.seconds for r, t in enumerate(table) if t is not None and t.count >= min_count and r}
-    scale = statistics.median(t / base.cost(r) for r, t in measured.items()) if measured else 1.0
-    out, best = [0.0], 0.0
-    for r in range(1, len(table)):
-        best = max(best, measured.get(r, scale * base.cost(r)))
-        out.append(best)
-    return out
+    """Relative pass time by total rows 0..len(table)-1 (index 0 unused): ``a + b * rows`` fitted to the measured
+    passes (weighted least squares; a straight line, so noise never makes extra rows look free), or the base
+    curve until two row counts have been measured ``min_count`` times."""
+    points = [(r, t.seconds, min(t.count, 20)) for r, t in enumerate(table) if t is not None and t.count >= min_count]
+    fit = _line([(r, t, w) for r, t, w in points if r])
+    if fit is None:
+        return [0.0, *(base.cost(r) for r in range(1, len(table)))]
+    a, b = fit
+    return [0.0, *(a + b * r for r in range(1, len(table)))]
+
+
+def _line(points: Sequence[tuple[int, float, int]]) -> tuple[float, float] | None:
+    """(a, b) of the weighted least-squares line t = a + b r, with b > 0 and a > 0; None when underdetermined."""
+    if len({r for r, _, _ in points}) < 2:
+        return None
+    total = sum(w for _, _, w in points)
+    mean_r = sum(w * r for r, _, w in points) / total
+    mean_t = sum(w * t for _, t, w in points) / total
+    var = sum(w * (r - mean_r) ** 2 for r, _, w in points)
+    b = sum(w * (r - mean_r) * (t - mean_t) for r, t, w in points) / var
+    floor = 0.01 * mean_t  # every row costs something
+    b = max(b, floor)
+    a = max(mean_t - b * mean_r, floor)
+    return a, b
 
 
 def shared_pass_cost(times: Sequence[float], n: int, *, others: int, other_rows: int) -> float:
