@@ -4,7 +4,8 @@
 
 const CONFIG = JSON.parse(document.getElementById("dashboard-config").textContent);
 const COLORS = ["#4c8bf5", "#e8710a", "#2e7d32", "#9c27b0", "#00838f", "#6d4c41"];
-const state = { window: "5m", stepType: "all", view: null, charts: {} };
+const asked = new URLSearchParams(window.location.search).get("window");
+const state = { window: CONFIG.windows.includes(asked) ? asked : "5m", stepType: "all", view: null, charts: {} };
 
 const pct = (v) => (v === null || v === undefined ? "-" : (100 * v).toFixed(1) + "%");
 const num = (v, d = 2) => (v === null || v === undefined ? "-" : v.toFixed(d));
@@ -146,6 +147,12 @@ function chartData(spec, fleets) {
   return { series, data, plotted };
 }
 
+// Every quantity here is >= 0: start the axis at 0 and keep a flat line (all 0 %) from a degenerate range.
+function yRange(spec, lo, hi) {
+  const floor = spec.fmt === pct ? 0.05 : 1;
+  return [0, hi > 0 ? hi * 1.15 : floor];
+}
+
 function renderCharts(fleets) {
   const box = document.getElementById("charts");
   for (const spec of CHARTS) {
@@ -166,7 +173,7 @@ function renderCharts(fleets) {
     if (existing) existing.plot.destroy();
     const opts = {
       title: spec.title, width: Math.max(300, holder.clientWidth - 12), height: 210,
-      scales: { x: { time: true } }, series: made.series,
+      scales: { x: { time: true }, y: { range: (u, lo, hi) => yRange(spec, lo, hi) } }, series: made.series,
       axes: [{}, { size: 64, values: (u, vals) => vals.map((v) => spec.fmt(v)) }],
     };
     state.charts[spec.id] = { key, plot: new uPlot(opts, made.data, holder) };
@@ -229,7 +236,7 @@ function renderBreakersAndReplicas(fleets) {
     }
   }
   fillTable("breakers", [["fleet", "text"], ["step type", "text"], ["state"], ["open-breaker steps"], ["share"]], breakers);
-  fillTable("replicas", [["fleet", "text"], ["replica (host:pid)", "text"], ["10-s buckets"], ["last seen"]], replicas);
+  fillTable("replicas", [["fleet", "text"], ["replica (host:pid)", "text"], ["active 10-s buckets"], ["last seen"]], replicas);
   document.getElementById("replica-count").textContent = `(${replicas.length})`;
 }
 
@@ -313,6 +320,7 @@ function render() {
   renderBreakersAndReplicas(fleets);
   renderInterventions(fleets);
   renderHealth(fleets);
+  if (document.body.dataset.loaded !== "1") document.body.dataset.firstRenderMs = String(Math.round(performance.now()));
   document.body.dataset.loaded = "1";
   document.body.dataset.window = String(view.window_s);
 }
