@@ -356,3 +356,17 @@ def test_settings_and_cli_refuse_bad_values(redis_server: RedisServer) -> None:
     assert bad.exit_code == 2 and "bad:ns" in bad.output and PASSWORD not in bad.output
     missing = runner.invoke(app, ["dashboard"], env={"AGENT_MTP_REDIS_URL": ""})
     assert missing.exit_code == 2 and "--redis" in missing.output
+
+
+def test_sample_grafana_dashboard_uses_only_exported_metrics(fleet_url: str) -> None:
+    import re
+    from pathlib import Path
+
+    dashboard = json.loads((Path(__file__).resolve().parents[2] / "docs" / "grafana-dashboard.json").read_text())
+    exported = {
+        name
+        for name, _ in _samples(TestClient(create_dashboard_app(_settings(fleet_url, "ns-a"))).get("/metrics").text)
+    }
+    exprs = [target["expr"] for panel in dashboard["panels"] for target in panel["targets"]]
+    used = {name for expr in exprs for name in re.findall(r"\b(agent_mtp_[a-z0-9_]+)", expr)}
+    assert used and used <= exported, used - exported

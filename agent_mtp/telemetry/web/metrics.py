@@ -49,6 +49,7 @@ COUNTERS: dict[str, tuple[str, str]] = {
     f.MONITOR_FAILED_STEPS: ("agent_mtp_steps_monitor_failed", "Steps in which a quality monitor failed."),
     f.MONITOR_FAILED: ("agent_mtp_steps_returned_monitor_failed", "Steps returned while a monitor still failed."),
     f.NEW_TOKENS: ("agent_mtp_new_tokens", "Tokens generated."),
+    f.TTFT_COUNT: ("agent_mtp_steps_with_ttft", "Steps whose time to the first token is known."),
     f.FORWARD_PASSES: ("agent_mtp_forward_passes", "Model forward passes."),
     f.MANUAL_INTERVENTIONS: ("agent_mtp_manual_interventions", "Manual interventions reported."),
     f.USER_VISIBLE_FAILURES: ("agent_mtp_user_visible_failures", "User-visible failures reported."),
