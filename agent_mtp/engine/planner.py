@@ -26,6 +26,9 @@ from agent_mtp.engine.drafts import Draft, choose_draft
 
 FUTURE_CREDIT = 0.5
 """Masks pay off one pass later (as the next draft), and that verification costs time then: count half."""
+EXPLORE_OVERHEAD = 0.1
+"""Exploring verified passes add at most this share to the average pass's cost (alone on a CPU: every mask; in a
+pass shared with other sequences, where rows are dear, fewer)."""
 AUTO_K_CAP = 16
 """Most tokens per pass that ``k_max="auto"`` considers."""
 
@@ -161,7 +164,11 @@ class Planner:
                     best = (score, option, masks)
         _, draft, masks = best
         if self.explore_every and self._passes % self.explore_every == 0 and masks == 0:
-            masks = max(min(self.k_cap - 1, room - (len(draft.tokens) if draft else 0)), 0)
+            fed = pending + (len(draft.tokens) if draft else 0)
+            masks = max(min(self.k_cap - 1, room - (fed - pending)), 0)
+            budget = (1 + EXPLORE_OVERHEAD * self.explore_every) * self.curve.cost(fed)
+            while masks > 1 and self.curve.cost(fed + masks) > budget:
+                masks -= 1
         return Plan(draft, masks)
 
 
