@@ -53,6 +53,8 @@ def _event(i: int, *, ago_s: float = 20.0) -> StepEvent:
         monitor_failures=("json_valid",) if i % 8 == 0 else (),
         ntp_equivalent_s=0.02,
         ttft_s=0.002,
+        prompt_tokens=100,
+        cached_prompt_tokens=60 if i % 2 else 0,
         run_id=f"run-{i}",
         timestamp=_now() - ago_s - (i % 3) * 10,
     )
@@ -166,6 +168,8 @@ def test_metrics_counts_equal_the_redis_aggregates(fleet_url: str) -> None:
         "user_visible_failures": "agent_mtp_user_visible_failures_total",
         "new_tokens": "agent_mtp_new_tokens_total",
         "forward_passes": "agent_mtp_forward_passes_total",
+        "prompt_tokens": "agent_mtp_prompt_tokens_total",
+        "cached_prompt_tokens": "agent_mtp_cached_prompt_tokens_total",
     }
     for row in report.rows:
         labels = _labels("ns-a", row.step_type, row.mode)
@@ -193,6 +197,8 @@ def test_metrics_counts_equal_the_redis_aggregates(fleet_url: str) -> None:
                 assert samples[("agent_mtp_window_steps", labels)] == row.requests
                 assert math.isclose(samples[("agent_mtp_window_timeout_ratio", labels)], row.timeout_ratio or 0.0)
                 assert math.isclose(samples[("agent_mtp_window_fallback_rate", labels)], row.fallback_rate or 0.0)
+                hit_rate = samples[("agent_mtp_window_prefix_cache_hit_rate", labels)]
+                assert math.isclose(hit_rate, row.prefix_cache_hit_rate or 0.0)
                 quantile = _labels("ns-a", row.step_type, row.mode, window=window, quantile="0.95")
                 p95 = samples[("agent_mtp_window_latency_seconds", quantile)]
                 assert math.isclose(p95, row.p95_s or 0.0)

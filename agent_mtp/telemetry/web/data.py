@@ -35,6 +35,7 @@ TIMELINE_METRICS: dict[str, Callable[[MetricsRow], float | None]] = {
     "mean_ttft_s": lambda r: r.mean_ttft_s,
     "tokens_per_forward": lambda r: r.tokens_per_forward,
     "speedup_vs_ntp": lambda r: r.speedup_vs_ntp,
+    "prefix_cache_hit_rate": lambda r: r.prefix_cache_hit_rate,
 }
 """Quantities drawn over time (one value per slice of the window; ``None`` where a slice has no steps)."""
 

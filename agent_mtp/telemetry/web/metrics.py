@@ -50,6 +50,8 @@ COUNTERS: dict[str, tuple[str, str]] = {
     f.MONITOR_FAILED: ("agent_mtp_steps_returned_monitor_failed", "Steps returned while a monitor still failed."),
     f.NEW_TOKENS: ("agent_mtp_new_tokens", "Tokens generated."),
     f.TTFT_COUNT: ("agent_mtp_steps_with_ttft", "Steps whose time to the first token is known."),
+    f.PROMPT_TOKENS: ("agent_mtp_prompt_tokens", "Prompt tokens of the steps."),
+    f.CACHED_PROMPT_TOKENS: ("agent_mtp_cached_prompt_tokens", "Prompt tokens read from the prefix cache."),
     f.FORWARD_PASSES: ("agent_mtp_forward_passes", "Model forward passes."),
     f.MANUAL_INTERVENTIONS: ("agent_mtp_manual_interventions", "Manual interventions reported."),
     f.USER_VISIBLE_FAILURES: ("agent_mtp_user_visible_failures", "User-visible failures reported."),
@@ -72,6 +74,10 @@ GAUGES: dict[str, tuple[str, Callable[[MetricsRow], float | None]]] = {
     ),
     "agent_mtp_window_tokens_per_forward": ("New tokens per forward pass.", lambda r: r.tokens_per_forward),
     "agent_mtp_window_speedup_vs_ntp": ("Estimated plain-NTP time / actual time.", lambda r: r.speedup_vs_ntp),
+    "agent_mtp_window_prefix_cache_hit_rate": (
+        "Prompt tokens from the prefix cache.",
+        lambda r: r.prefix_cache_hit_rate,
+    ),
     "agent_mtp_window_mean_ttft_seconds": ("Mean time to the first token.", lambda r: r.mean_ttft_s),
 }
 _LEDGER_WINDOW = "1h"

@@ -30,6 +30,7 @@ const CHARTS = [
   { id: "ttft", title: "mean time to first token", metrics: ["mean_ttft_s"], fmt: secs },
   { id: "tpf", title: "tokens per forward pass", metrics: ["tokens_per_forward"], fmt: (v) => num(v) },
   { id: "speedup", title: "speedup vs NTP", metrics: ["speedup_vs_ntp"], fmt: times },
+  { id: "cache", title: "prefix-cache hit rate (prompt tokens)", metrics: ["prefix_cache_hit_rate"], fmt: pct },
 ];
 const DASH = { p50_s: [6, 4], p95_s: [], p99_s: [2, 3] };
 
@@ -183,7 +184,7 @@ function renderCharts(fleets) {
 function renderRows(fleets) {
   const headers = [
     ["fleet", "text"], ["step type", "text"], ["mode", "text"], ["steps"], ["timeout"], ["retry"], ["fallback"],
-    ["breaker"], ["error"], ["monitor fail"], ["P50"], ["P95"], ["P99"], ["TTFT"], ["tok/fwd"], ["speedup"],
+    ["breaker"], ["error"], ["monitor fail"], ["P50"], ["P95"], ["P99"], ["TTFT"], ["tok/fwd"], ["speedup"], ["cache hit"],
   ];
   const rows = [];
   for (const fleet of fleets) {
@@ -200,7 +201,7 @@ function renderRows(fleets) {
             ratioCell("fallbacks", r.fallback_rate, r.fallbacks), ratioCell("breaker_open", r.breaker_open_rate, r.breaker_open),
             ratioCell("errors", r.error_rate, r.errors), ratioCell("monitor_failed_steps", r.monitor_failure_rate, r.monitor_failed_steps),
             secs(r.latency_s.p50), secs(r.latency_s.p95), secs(r.latency_s.p99), secs(r.mean_ttft_s),
-            num(r.tokens_per_forward), times(r.speedup_vs_ntp),
+            num(r.tokens_per_forward), times(r.speedup_vs_ntp), pct(r.prefix_cache_hit_rate),
           ],
           { "data-fleet": fleet.label, "data-step-type": r.step_type, "data-mode": r.mode, class: r.total ? "total" : "" },
         ),
