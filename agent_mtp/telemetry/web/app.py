@@ -30,6 +30,16 @@ from agent_mtp.telemetry.web.metrics import metrics_registry, render_metrics
 from agent_mtp.telemetry.web.settings import DashboardSettings
 
 COOKIE = "agent_mtp_dashboard"
+PAGE_HEADERS = {
+    "Cache-Control": "no-store",
+    # Nothing but this app's own files may load: the page works offline and cannot leak to a third party.
+    "Content-Security-Policy": (
+        "default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self' data:; "
+        "connect-src 'self'; frame-ancestors 'none'; base-uri 'self'"
+    ),
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+}
 
 
 def static_dir() -> Path:
@@ -97,7 +107,7 @@ def create_dashboard_app(settings: DashboardSettings, *, fleets: list[Fleet] | N
         authorize(request)
         base = _root(request) + "/"
         html = page_template.replace("__BASE__", base).replace("__CONFIG__", json.dumps(config).replace("<", "\\u003c"))
-        return HTMLResponse(html, headers={"Cache-Control": "no-store"})
+        return HTMLResponse(html, headers=PAGE_HEADERS)
 
     @app.get("/api/config", dependencies=guarded)
     def api_config() -> dict[str, Any]:

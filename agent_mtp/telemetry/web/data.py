@@ -14,6 +14,7 @@ from typing import Any
 
 from agent_mtp.errors import TelemetryError
 from agent_mtp.redis_url import scrub
+from agent_mtp.telemetry import aggregate as f
 from agent_mtp.telemetry.aggregate import SeriesKey
 from agent_mtp.telemetry.config import BUCKET_S, NO_MODE
 from agent_mtp.telemetry.queries import ALL, MetricsRow, StatsReport, merge_rows, query_stats, window_buckets
@@ -79,7 +80,7 @@ def breaker_states(report: StatsReport) -> dict[str, dict[str, Any]]:
     ``closed``; with the steps and share of the window that ran under an open breaker."""
     newest: dict[str, int] = {}
     for key, values in report.series:
-        if values.get("requests", 0) > 0 and key.bucket > newest.get(key.step_type, -1):
+        if values.get(f.REQUESTS, 0) > 0 and key.bucket > newest.get(key.step_type, -1):
             newest[key.step_type] = key.bucket
     states: dict[str, dict[str, Any]] = {}
     for step_type, bucket in sorted(newest.items()):
@@ -91,9 +92,9 @@ def breaker_states(report: StatsReport) -> dict[str, dict[str, Any]]:
         )
         window = report.select(step_type=step_type)
         states[step_type] = {
-            "state": "open" if latest.count("breaker_open") else "closed",
+            "state": "open" if latest.count(f.BREAKER_OPEN) else "closed",
             "as_of": bucket,
-            "breaker_open_steps": window.count("breaker_open"),
+            "breaker_open_steps": window.count(f.BREAKER_OPEN),
             "breaker_open_rate": window.breaker_open_rate,
         }
     return states
