@@ -92,9 +92,12 @@ def describe_step(message: AIMessage) -> str:
     if not mtp:  # through the server (ChatOpenAI): the statistics are in the response's agent_mtp field
         return "[served over the OpenAI API]"
     step = f"{policy.get('step_type', '-')}/{mtp.get('mode', '?')}"
+    usage: dict[str, Any] = dict(message.usage_metadata or {})
+    cached = (usage.get("input_token_details") or {}).get("cache_read", 0)  # read from the prefix cache
     return (
         f"[{step}: {mtp.get('new_tokens', 0)} tokens in {mtp.get('forward_passes', 0)} forward passes, "
         f"{mtp.get('tokens_per_forward', 0):.2f} tokens/forward, {mtp.get('jump_forward_tokens', 0)} jump-forward, "
+        f"{cached}/{usage.get('input_tokens', 0)} prompt tokens cached, prefill {mtp.get('prefill_s', 0):.2f} s, "
         f"{mtp.get('wall_s', 0):.2f} s]"
     )
 

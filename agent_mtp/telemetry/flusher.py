@@ -84,7 +84,7 @@ class Flusher:
         self._last_error: str | None = None
         self._last_warning = 0.0
         self._dropping_logged = False
-        self.epoch = uuid.uuid4().hex[:16]
+        self.epoch = uuid.uuid4().hex
         """This process's id in the epoch counter (host:pid repeats across container restarts)."""
         self._acknowledged = 0
         self._ack_log: deque[tuple[float, int]] = deque()

@@ -8,7 +8,7 @@ Redis key schema (all keys share the hash tag ``{namespace}``, so a Redis Cluste
     {ns}:t:w:<bucket>                             set     writer ids ("host:pid") that flushed in a bucket
     {ns}:t:n                                      list    recent interventions (JSON, newest first)
     {ns}:t:f:<flush_id>                           string  marker that makes a flush idempotent
-    {ns}:t:e:<writer>:<epoch>                     string  steps of one writer process that Redis holds (loss check)
+    {ns}:t:e:<epoch>                              string  steps of one writer process that Redis holds (loss check)
 
 ``<bucket>`` is the bucket start in whole epoch seconds. Every key has a TTL (``retention_s``; markers
 ``dedupe_ttl_s``).
@@ -139,8 +139,9 @@ class RedisStore:
     def flush_key(self, flush_id: str) -> str:
         return f"{self.prefix}:f:{flush_id}"
 
-    def epoch_key(self, writer: str, epoch: str) -> str:
-        return f"{self.prefix}:e:{writer}:{epoch}"
+    def epoch_key(self, epoch: str) -> str:
+        """Keyed by the writer's random epoch alone (hex): no host name ever becomes part of a key."""
+        return f"{self.prefix}:e:{epoch}"
 
     # -- writing --------------------------------------------------------------------------------------------
     def _script_call(self, batch: Batch, writer: str) -> tuple[list[str], list[str]]:
@@ -150,7 +151,7 @@ class RedisStore:
             self.health_key(batch.health_bucket),
             self.writers_key(batch.health_bucket),
             self.notes_key(),
-            self.epoch_key(writer, ledger.epoch),
+            self.epoch_key(ledger.epoch),
         ]
         for key in batch.series:
             keys += [self.series_key(key), self.index_key(key.bucket)]

@@ -407,7 +407,7 @@ def test_malicious_key_parts_never_reach_redis_keys(redis_server: RedisServer) -
     telemetry.record(StepEvent(step_type="tool_call", mode="ntp", outcome="ok", latency_s=0.1))
     assert telemetry.flush()
     part = r"[A-Za-z0-9_][A-Za-z0-9_.\-/]*"
-    allowed = re.compile(rf"\{{safe\}}:t:(s:\d+:{part}:{part}:({part}|-)|[ihw]:\d+|n|f:[0-9a-f]{{32}})")
+    allowed = re.compile(rf"\{{safe\}}:t:(s:\d+:{part}:{part}:({part}|-)|[ihw]:\d+|n|[fe]:[0-9a-f]{{32}})")
     client = redis_server.client(decode_responses=True)
     keys: list[str] = list(client.keys("*"))  # type: ignore[arg-type]
     assert keys and all(allowed.fullmatch(key) for key in keys), keys
