@@ -378,3 +378,22 @@ def test_sample_grafana_dashboard_uses_only_exported_metrics(fleet_url: str) -> 
     exprs = [target["expr"] for panel in dashboard["panels"] for target in panel["targets"]]
     used = {name for expr in exprs for name in re.findall(r"\b(agent_mtp_[a-z0-9_]+)", expr)}
     assert used and used <= exported, used - exported
+
+
+def test_the_dashboard_reads_telemetry_only() -> None:
+    """Imports point one way: the dashboard sits on the telemetry query functions, never on the layers that feed
+    them (engine, policy, service, front ends)."""
+    import ast
+    from pathlib import Path
+
+    import agent_mtp.telemetry.web as web
+
+    forbidden = ("agent_mtp.engine", "agent_mtp.policy", "agent_mtp.service", "agent_mtp.langchain", "agent_mtp.server")
+    bad = []
+    for path in sorted(Path(web.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            bad += [f"{path.name}: {n}" for n in names if n.startswith(forbidden)]
+    assert not bad
