@@ -2,7 +2,9 @@
 #   make demo   set up .venv and run `agent-mtp demo` on the embedded default model
 #   make test   set up .venv (with the test extra) and run the whole test suite
 # Extras: plot (matplotlib: bench and training plots), agents (langchain + langgraph examples), serve (the
-# OpenAI-compatible server: fastapi, uvicorn), test (all of them, plus the openai and langchain-openai clients).
+# OpenAI-compatible server: fastapi, uvicorn), dashboard (`agent-mtp dashboard`: fastapi, uvicorn, prometheus-client),
+# test (all of them, plus the openai and langchain-openai clients). The dashboard's browser test needs Debian's
+# chromium (.ci/run installs it; the test skips without it).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
