@@ -185,3 +185,42 @@ def test_the_page_shows_what_the_fleet_recorded(redis_server: RedisServer, tmp_p
     notes = [r["cells"][-1]["text"] for r in dom.rows if r["attrs"].get("class") == "intervention"]
     assert sorted(notes) == ["worker 0 <note>", "worker 1 <note>"]
     assert shot.exists() and shot.stat().st_size > 10_000
+
+
+def test_the_command_serves_the_page_and_metrics(redis_server: RedisServer) -> None:
+    """``agent-mtp dashboard`` as an operator starts it: loopback by default, a token from the environment."""
+    import os
+    import signal
+    import urllib.error
+    import urllib.request
+
+    from tests.fixtures.redis_server import free_port
+
+    run_worker(redis_server.url, 0)
+    port = free_port()
+    env = {**os.environ, "AGENT_MTP_DASHBOARD_TOKEN": "op-token-1", "AGENT_MTP_REDIS_URL": redis_server.url}
+    command = [sys.executable, "-c", "from agent_mtp.cli import main; main()", "dashboard", "--namespace", NAMESPACE]
+    command += ["--port", str(port)]
+    process = subprocess.Popen(
+        command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(f"{base}/metrics", timeout=2)
+            except urllib.error.HTTPError as e:
+                assert e.code == 401  # up, and guarded by the token
+                break
+            except OSError:
+                assert process.poll() is None and time.monotonic() < deadline, "the dashboard did not start"
+                time.sleep(0.2)
+        request = urllib.request.Request(f"{base}/metrics", headers={"Authorization": "Bearer op-token-1"})
+        body = urllib.request.urlopen(request, timeout=10).read().decode()
+        labels = f'mode="all",policy="{NAMESPACE}",replica="all",step_type="all",window="5m"'
+        assert f"agent_mtp_window_steps{{{labels}}} {float(STEPS_PER_WORKER)}" in body
+    finally:
+        process.send_signal(signal.SIGINT)
+        output, _ = process.communicate(timeout=30)
+    assert f"http://localhost:{port}/" in output
