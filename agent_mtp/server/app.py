@@ -40,8 +40,8 @@ def build_service(settings: ServerSettings) -> Service:
     engine = shared_engine(settings.model, adapter=settings.adapter, dtype=settings.dtype)
     if settings.runtime != "auto":
         engine = engine.with_runtime(settings.runtime)
-    redis_url = settings.redis_url.get_secret_value() if settings.redis_url is not None else None
-    recorder = Telemetry(redis_url)
+    # None: the process-wide telemetry of $AGENT_MTP_REDIS_URL (else nothing recorded), as for AgentMTPChat
+    recorder = Telemetry(settings.redis_url.get_secret_value()) if settings.redis_url is not None else None
     breaker = settings.breaker_store.get_secret_value() if settings.breaker_store is not None else None
     return Service(engine, recorder=recorder, breaker_store=breaker, concurrency=settings.concurrency)
 
@@ -52,13 +52,13 @@ def create_app(settings: ServerSettings | None = None, *, service: Service | Non
     state: dict[str, Any] = {}
 
     @asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         own = service is None
         svc = service if service is not None else await asyncio.to_thread(build_service, settings)
         # one worker thread per decoding request (the default pool has min(32, cpus + 4) threads)
         pool = ThreadPoolExecutor(settings.max_active + 4, thread_name_prefix="agent-mtp-serve")
         asyncio.get_running_loop().set_default_executor(pool)
-        state["serving"] = ChatServing(svc, settings)
+        state["serving"] = app.state.serving = ChatServing(svc, settings)
         state["started"] = int(time.time())
         log.info("Serving %s on %s runtime (%s)", settings.model_name, svc.engine.runtime, settings.concurrency)
         try:
@@ -67,10 +67,10 @@ def create_app(settings: ServerSettings | None = None, *, service: Service | Non
             state.pop("serving", None)
             if own:
                 svc.close()
-                recorder = svc.recorder
-                close = getattr(recorder, "close", None)
-                if close is not None:
-                    close()
+                if settings.redis_url is not None:  # this app's own Telemetry (the process-wide one closes at exit)
+                    close = getattr(svc.recorder, "close", None)
+                    if close is not None:
+                        close()
             pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="agent-mtp", version="0.1.0", lifespan=lifespan)

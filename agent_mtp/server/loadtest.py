@@ -36,7 +36,7 @@ from agent_mtp.cli_common import console, out
 VARIANTS: dict[str, dict[str, Any]] = {
     "ntp": {"mode": "ntp"},
     "verified": {"mode": "verified"},
-    "confadapt": {"mode": "confadapt", "threshold": 0.9, "k_max": 8},
+    "confadapt": {"mode": "confadapt", "threshold": 0.9, "k_max": "auto"},
 }
 """Fixed decoding variants (per-request ``agent_mtp`` options); any other name is sent as a shipped policy."""
 
@@ -62,8 +62,11 @@ class RequestRecord:
     tokens: int = 0
     error: str | None = None
     timeout: bool = False
+    finish_reason: str | None = None
     tool_call_ok: bool | None = None
-    """For prompts that must call a tool: did the streamed call parse (name known, JSON-object arguments)."""
+    """For prompts that must call a tool and finished within their token budget: did the streamed call parse
+    (name known, JSON-object arguments). A call cut off by max_tokens is counted in ``tool_calls_cut_off``."""
+    tool_call_cut_off: bool = False
 
 
 @dataclass
@@ -93,6 +96,7 @@ class Cell:
             "error_ratio": round(1 - len(ok) / len(self.records), 4) if self.records else 0.0,
             "timeout_ratio": round(sum(r.timeout for r in self.records) / len(self.records), 4) if self.records else 0,
             "tool_calls_parsed": round(sum(tools) / len(tools), 4) if tools else None,
+            "tool_calls_cut_off": sum(r.tool_call_cut_off for r in self.records),
         }
 
 
@@ -157,14 +161,19 @@ async def one_request(
     except httpx.HTTPError as e:
         record.error = f"{type(e).__name__}: {e}"[:200]
     record.latency_s = time.perf_counter() - started
-    if prompt.tools and prompt.tool_choice not in (None, "auto", "none"):
-        record.tool_call_ok = bool(calls) and all(_call_parses(c, names) for c in calls.values())
+    if prompt.tools and prompt.tool_choice not in (None, "auto", "none") and record.error is None:
+        if record.finish_reason == "length":
+            record.tool_call_cut_off = True
+        else:
+            record.tool_call_ok = bool(calls) and all(_call_parses(c, names) for c in calls.values())
     return record
 
 
 def _read_chunk(chunk: dict[str, Any], record: RequestRecord, calls: dict[int, dict[str, str]], started: float) -> None:
     for choice in chunk.get("choices") or []:
         delta = choice.get("delta") or {}
+        if choice.get("finish_reason"):
+            record.finish_reason = choice["finish_reason"]
         if record.ttft_s is None and (delta.get("content") or delta.get("tool_calls")):
             record.ttft_s = time.perf_counter() - started
         for call in delta.get("tool_calls") or []:
@@ -247,13 +256,13 @@ def ratios(summaries: Sequence[dict[str, Any]], baseline: str = "ntp") -> dict[s
 def markdown(summaries: Sequence[dict[str, Any]], extra: dict[str, Any]) -> str:
     head = (
         "| clients | variant | tokens/s | vs ntp | P50 latency s | P95 latency s | P50 TTFT s | errors | timeouts "
-        "| tool calls parsed |\n|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|\n"
+        "| tool calls parsed (cut off) |\n|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|\n"
     )
     vs = extra["ratios"].get("vs_ntp", {})
     rows = []
     for s in summaries:
         ratio = vs.get(s["clients"], {}).get(s["policy"])
-        parsed = "-" if s["tool_calls_parsed"] is None else f"{s['tool_calls_parsed']:.0%}"
+        parsed = "-" if s["tool_calls_parsed"] is None else f"{s['tool_calls_parsed']:.0%} ({s['tool_calls_cut_off']})"
         rows.append(
             f"| {s['clients']} | {s['policy']} | {s['tokens_per_s']:.1f} | {'-' if ratio is None else f'{ratio:.2f}x'} "
             f"| {s['p50_latency_s']:.2f} | {s['p95_latency_s']:.2f} | {s['p50_ttft_s']:.2f} | {s['error_ratio']:.0%} "
@@ -263,6 +272,12 @@ def markdown(summaries: Sequence[dict[str, Any]], extra: dict[str, Any]) -> str:
     tail = "\nNTP aggregate tokens/s over one client's: " + ", ".join(
         f"{c} clients {r:.2f}x" for c, r in scaling.items()
     )
+    batching = (extra.get("server_at_end") or {}).get("batching")
+    if batching:
+        passes, mean = batching["passes"], batching["mean_batch"]
+        tail += f"\nServer: {passes} batched passes, {mean:.2f} sequences per pass on average."
+    if extra.get("load_average"):
+        tail += f"\nLoad average at the end: {', '.join(f'{x:.1f}' for x in extra['load_average'])}."
     return head + "\n".join(rows) + "\n" + tail + "\n"
 
 
@@ -334,15 +349,16 @@ def run_loadtest(config: LoadtestConfig, *, base_url: str | None, threads: int |
     started = time.time()
     if base_url is None:
         with local_server(threads=threads, max_active=max(config.clients)) as url:
-            health = httpx.get(url.replace("/v1", "/health")).json()
             cells = run_cells(url, config)
+            health = httpx.get(url.replace("/v1", "/health")).json()
     else:
-        health = httpx.get(base_url.rstrip("/").removesuffix("/v1") + "/health").json()
         cells = run_cells(base_url.rstrip("/"), config)
+        health = httpx.get(base_url.rstrip("/").removesuffix("/v1") + "/health").json()
     summaries = [c.summary() for c in cells]
     report: dict[str, Any] = {
         "config": asdict(config),
-        "server": health,
+        "server_at_end": health,
+        "load_average": os.getloadavg(),
         "server_threads": threads,
         "cpus": os.cpu_count(),
         "started": started,

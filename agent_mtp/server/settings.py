@@ -43,7 +43,8 @@ class ServerSettings(BaseSettings):
     """Deadline per request from its arrival (queueing included): the output so far, finish_reason "length"
     and ``agent_mtp.finish_reason`` "timeout"; a request may ask for less (``agent_mtp.timeout``)."""
     redis_url: SecretStr | None = None
-    """Telemetry to Redis (else ``AGENT_MTP_REDIS_URL``, else in memory), as for AgentMTPChat."""
+    """Telemetry to this Redis (else the process-wide telemetry of ``AGENT_MTP_REDIS_URL``, else none), as for
+    AgentMTPChat."""
     breaker_store: SecretStr | None = None
     """Redis URL for the policy breakers shared by a fleet (None: in this process)."""
     shutdown_grace_s: float = Field(default=30.0, ge=0)
