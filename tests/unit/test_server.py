@@ -353,3 +353,15 @@ def _wait(predicate: Any, timeout: float = 30) -> None:
         if time.monotonic() > deadline:
             raise AssertionError("condition not reached in time")
         time.sleep(0.02)
+
+
+def test_serve_and_loadtest_commands_are_registered() -> None:
+    from typer.testing import CliRunner
+
+    from agent_mtp.cli import app
+
+    runner = CliRunner()
+    assert runner.invoke(app, ["serve", "--help"]).exit_code == 0
+    assert runner.invoke(app, ["loadtest", "--help"]).exit_code == 0
+    bad = runner.invoke(app, ["serve", "--max-active", "0"])
+    assert bad.exit_code != 0 and "max_active" in bad.output
