@@ -133,7 +133,10 @@ class Planner:
         assert self.curve is not None, 'k_max="auto" needs a cost curve'
         self._passes += 1
         if self.explore_every and self._passes % self.explore_every == 0:
-            return self.k_cap
+            k, budget = self.k_cap, (1 + EXPLORE_OVERHEAD * self.explore_every) * self.curve.cost(fed_without_masks)
+            while k > 2 and self.curve.cost(fed_without_masks + k - 1) > budget:
+                k -= 1
+            return k
         gains = expected_accepted(self.rates.positions)
         best_k, best_value = 1, 0.0
         for k in range(1, self.k_cap + 1):
