@@ -219,7 +219,8 @@ def run_once(
             prompt.suite,
             prompt.score,
         )
-    config = variant.config.replace(max_new_tokens=prompt.max_new_tokens)
+    # every prompt prefilled in full, as HF generate does (agent-mtp bench-prefix measures the prefix cache)
+    config = variant.config.replace(max_new_tokens=prompt.max_new_tokens, prefix_cache=False)
     runner_engine = models.engine(variant.runtime)
     start = time.perf_counter()  # timed from outside, like HF generate: what the caller waits for
     result = runner_engine.generate(ids, config, constraint=constraint)

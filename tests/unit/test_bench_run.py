@@ -306,3 +306,12 @@ def test_cli_demo_runs_every_mode_side_by_side(tiny_model_dir: Path, tmp_path: P
     assert result.exit_code == 0, result.output
     for label in ("HF generate", "verified", "confadapt", "fast runtime", "vs ntp"):
         assert label in result.output
+
+
+def test_bench_runs_prefill_every_prompt_in_full(engine: Any, prompts: list[Any]):
+    """Engine variants never read the prefix cache (HF generate and llama.cpp cannot): a fair comparison."""
+    before = engine.prefix_cache.stats.lookups
+    variant = variants_from_names(["verified"], k_max=4)[0]
+    for _ in range(2):
+        run_once(engine, variant, prompts[0])
+    assert engine.prefix_cache.stats.lookups == before
