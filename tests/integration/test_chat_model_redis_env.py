@@ -31,6 +31,7 @@ class _Capture(BaseCallbackHandler):
         self.seen.append({"serialized": serialized, **kwargs})
 
 
+@pytest.mark.usefixtures("fresh_process_telemetry")
 def test_env_only_redis_records_every_step_and_no_password_shows(
     redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

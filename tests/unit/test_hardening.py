@@ -63,6 +63,7 @@ class _Capture(BaseCallbackHandler):
         self.seen.append(response)
 
 
+@pytest.mark.usefixtures("fresh_process_telemetry")
 def test_no_secret_in_any_surface_of_a_chat_model_with_secrets_in_every_url(engine, monkeypatch, caplog):
     """breaker_store, the recorder's URL and AGENT_MTP_REDIS_URL all carry the secret (on a closed port, so every
     Redis call fails and logs): it appears in no repr, str, dump, callback payload, DEBUG log or error message."""
@@ -219,6 +220,7 @@ def test_tool_names_with_spaces_are_refused(engine):
 
 
 # -- 7. Redis from the environment alone ------------------------------------------------------------------------------
+@pytest.mark.usefixtures("fresh_process_telemetry")
 def test_a_chat_model_without_recorder_uses_the_process_telemetry(engine, monkeypatch):
     monkeypatch.delenv("AGENT_MTP_REDIS_URL", raising=False)
     assert default_recorder() is None
