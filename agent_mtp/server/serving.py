@@ -59,9 +59,8 @@ class Admission:
     def retry_after_s(self) -> int:
         return max(1, math.ceil(self._mean_s * (self.waiting + 1) / self.max_active))
 
-    @asynccontextmanager
-    async def slot(self) -> AsyncIterator[None]:
-        """Hold a decoding slot; raises the 429 ServerError when the queue is full."""
+    async def acquire(self) -> Lease:
+        """Wait for a decoding slot; raises the 429 ServerError when the queue is full."""
         if self.active + self.waiting >= self.max_active + self.max_queue:
             raise overloaded(self.retry_after_s(), self.active, self.waiting)
         self.waiting += 1
@@ -70,13 +69,57 @@ class Admission:
         finally:
             self.waiting -= 1
         self.active += 1
-        started = time.perf_counter()
+        return Lease(self)
+
+    def _release(self, held_s: float) -> None:
+        self.active -= 1
+        self._slots.release()
+        self._mean_s = 0.8 * self._mean_s + 0.2 * held_s
+
+    @asynccontextmanager
+    async def slot(self) -> AsyncIterator[None]:
+        """Hold a decoding slot for the block."""
+        lease = await self.acquire()
         try:
             yield
         finally:
-            self.active -= 1
-            self._slots.release()
-            self._mean_s = 0.8 * self._mean_s + 0.2 * (time.perf_counter() - started)
+            lease.release()
+
+
+class Lease:
+    """One held slot; :meth:`release` is idempotent (a stream releases it when it ends, fails, is cancelled, or
+    is dropped without ever being read)."""
+
+    def __init__(self, admission: Admission) -> None:
+        self._admission: Admission | None = admission
+        self._started = time.perf_counter()
+
+    def release(self) -> None:
+        admission, self._admission = self._admission, None
+        if admission is not None:
+            admission._release(time.perf_counter() - self._started)
+
+
+class LeasedStream:
+    """An async iterator of SSE events that releases its slot when the events end, fail or are cancelled, and when
+    the response is dropped before it was read (a client gone before the first byte)."""
+
+    def __init__(self, events: AsyncIterator[str], lease: Lease) -> None:
+        self._events = events
+        self._lease = lease
+
+    def __aiter__(self) -> LeasedStream:
+        return self
+
+    async def __anext__(self) -> str:
+        try:
+            return await self._events.__anext__()
+        except BaseException:  # StopAsyncIteration, errors, cancellation (the client left)
+            self._lease.release()
+            raise
+
+    def __del__(self) -> None:
+        self._lease.release()
 
 
 # ------------------------------------------------------------------------------------------------ serving
@@ -188,17 +231,16 @@ class ChatServing:
         arrived = time.perf_counter()
         deadline = self.deadline_s(body)
         self.to_service_request(body, timeout=deadline)
-        slot = self.admission.slot()
-        await slot.__aenter__()
+        lease = await self.admission.acquire()
         try:
             left = max(deadline - (time.perf_counter() - arrived), 1e-3)
             call = _Call(self.to_service_request(body, timeout=left), completion_id(), int(time.time()))
         except BaseException:
-            await slot.__aexit__(None, None, None)
+            lease.release()
             raise
-        return self._events(body, call, slot)
+        return LeasedStream(self._events(body, call), lease)
 
-    async def _events(self, body: ChatCompletionRequest, call: _Call, slot: Any) -> AsyncIterator[str]:
+    async def _events(self, body: ChatCompletionRequest, call: _Call) -> AsyncIterator[str]:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         try:
             yield self._chunk(call, ChoiceDelta(role="assistant", content=""))
@@ -214,8 +256,6 @@ class ChatServing:
         except Exception as e:
             error = from_exception(e)
             yield f"data: {json.dumps(error.body())}\n\n"
-        finally:
-            await slot.__aexit__(None, None, None)
 
     def _chunk(self, call: _Call, delta: ChoiceDelta, finish: str | None = None, **extra: Any) -> str:
         chunk = ChatCompletionChunk(

@@ -365,3 +365,20 @@ def test_serve_and_loadtest_commands_are_registered() -> None:
     assert runner.invoke(app, ["loadtest", "--help"]).exit_code == 0
     bad = runner.invoke(app, ["serve", "--max-active", "0"])
     assert bad.exit_code != 0 and "max_active" in bad.output
+
+
+async def test_a_stream_never_read_frees_its_slot(engine: MTPEngine) -> None:
+    """A client gone before the first byte: the response is dropped unread and its slot comes back."""
+    import gc
+
+    from agent_mtp.server.protocol import ChatCompletionRequest
+    from agent_mtp.server.serving import ChatServing
+
+    serving = ChatServing(Service(engine), _settings(max_active=1, max_queue=0))
+    events = await serving.stream(ChatCompletionRequest.model_validate(_body(stream=True)))
+    assert serving.admission.active == 1
+    del events
+    gc.collect()
+    assert serving.admission.active == 0
+    async with serving.admission.slot():  # the only slot is free again
+        assert serving.admission.active == 1
