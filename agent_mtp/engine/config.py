@@ -37,7 +37,8 @@ class DecodeConfig:
     mode: Mode = "confadapt"
     """Decoding rule, see above."""
     threshold: float = 0.9
-    """ConfAdapt confidence threshold tau in [0, inf); above 1.0 nothing but the NTP token is ever accepted."""
+    """ConfAdapt confidence threshold tau in [0, 1] (a top-1 probability; at 1.0 almost nothing but the NTP token is
+    accepted)."""
     k_max: int | Literal["auto"] = 8
     """Tokens proposed per pass (1 NTP + k_max-1 masks), or "auto" to pick k from the measured cost curve."""
     max_new_tokens: int = 256
@@ -88,8 +89,8 @@ def _fail(field_name: str, value: object, allowed: str) -> ConfigError:
 def _validate(cfg: DecodeConfig) -> None:
     if cfg.mode not in MODES:
         raise _fail("mode", cfg.mode, f"use one of {', '.join(MODES)}")
-    if not _is_number(cfg.threshold) or cfg.threshold < 0:
-        raise _fail("threshold", cfg.threshold, "use a number >= 0 (0.9 is the paper's default)")
+    if not _is_number(cfg.threshold) or not 0 <= cfg.threshold <= 1:
+        raise _fail("threshold", cfg.threshold, "use a number in [0, 1] (0.9 is the paper's default)")
     if cfg.k_max != "auto" and (
         isinstance(cfg.k_max, bool) or not isinstance(cfg.k_max, int) or not 1 <= cfg.k_max <= K_MAX_LIMIT
     ):

@@ -301,6 +301,7 @@ def test_bad_prompt_types_and_ids(engine):
     [
         ({"mode": "turbo"}, "mode='turbo'"),
         ({"threshold": -0.1}, "threshold"),
+        ({"threshold": 1.5}, "threshold"),
         ({"k_max": 0}, "k_max"),
         ({"k_max": "fast"}, "auto"),
         ({"max_new_tokens": 0}, "max_new_tokens"),
