@@ -220,11 +220,11 @@ def test_api_key_is_required_and_never_logged(engine: MTPEngine, caplog: pytest.
 # ------------------------------------------------------------------------------------------------ pressure
 @pytest.fixture()
 def slow_passes(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every forward pass takes >= 40 ms (so a request is still decoding when the test acts)."""
+    """Every forward pass takes >= 100 ms (so a request is still decoding when the test acts)."""
     original = FastModel.forward_batch
 
     def slow(self: FastModel, items: Any) -> Any:
-        time.sleep(0.04)
+        time.sleep(0.1)
         return original(self, items)
 
     monkeypatch.setattr(FastModel, "forward_batch", slow)
@@ -276,10 +276,10 @@ def test_client_disconnect_mid_stream_frees_the_slot_at_once(engine: MTPEngine, 
             while not next(lines).startswith("data: {"):
                 pass
             assert httpx.get(health).json()["active"] == 1
-        # the connection is closed: the slot and the batch seat are free long before 200 tokens x 40 ms
-        _wait(lambda: httpx.get(health).json()["active"] == 0, timeout=3)
+        # the connection is closed: the slot and the batch seat are free long before 200 passes x 100 ms
+        _wait(lambda: httpx.get(health).json()["active"] == 0, timeout=10)
         assert service.decoder.scheduler is not None
-        _wait(lambda: service.decoder.scheduler.stats().active == 0, timeout=3)
+        _wait(lambda: service.decoder.scheduler.stats().active == 0, timeout=10)
         ok = httpx.post(f"{server.base_url}/chat/completions", json=_body(max_tokens=4), timeout=60)
         assert ok.status_code == 200  # the only slot is usable again
     service.close()
