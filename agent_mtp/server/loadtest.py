@@ -220,9 +220,13 @@ async def run_cell(
 def run_cells(base_url: str, config: LoadtestConfig) -> list[Cell]:
     prompts = load_suite(config.suite)
     cells: list[Cell] = []
-    with console.status("Warming up every variant ..."):
+    with console.status("Warming up every variant and the prefix cache ..."):
         for variant in config.policies:
             asyncio.run(run_cell(base_url, prompts[:2], variant, 1, LoadtestConfig(min_requests=2, max_tokens=16)))
+        # every prompt once, so no cell pays cold prefills another cell does not (the first variant of a level
+        # would otherwise prefill the prompts new to that level for the others)
+        warm = LoadtestConfig(requests_per_client=1, min_requests=len(prompts), max_tokens=1)
+        asyncio.run(run_cell(base_url, prompts, "ntp", len(prompts), warm))
     for clients in config.clients:
         for variant in config.policies:  # interleaved: drift hits every variant alike
             with console.status(f"{clients} clients, {variant} ..."):
