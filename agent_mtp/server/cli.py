@@ -38,6 +38,15 @@ def serve(
     request_timeout: Annotated[float | None, typer.Option(help="Deadline per request, seconds.")] = None,
     threads: Annotated[int | None, typer.Option(help="torch CPU threads.")] = None,
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
+    ray: Annotated[bool, typer.Option("--ray", help="Serve N replicas on Ray Serve (the ray extra).")] = False,
+    replicas: Annotated[int | None, typer.Option(help="--ray: number of replicas.")] = None,
+    ray_config: Annotated[Path | None, typer.Option(help="--ray: a YAML RayDeployment file.")] = None,
+    max_ongoing_requests: Annotated[int | None, typer.Option(help="--ray: requests per replica at once.")] = None,
+    min_replicas: Annotated[int | None, typer.Option(help="--ray: autoscaling lower bound.")] = None,
+    max_replicas: Annotated[int | None, typer.Option(help="--ray: autoscaling upper bound.")] = None,
+    ray_address: Annotated[
+        str | None, typer.Option(help='--ray: cluster to join ("auto"; default: a local one).')
+    ] = None,
 ) -> None:
     """Serve the model over the OpenAI chat-completions API (POST /v1/chat/completions, GET /v1/models,
     GET /health). The API key comes from $AGENT_MTP_SERVE_API_KEY (never a command-line argument: it would show
@@ -64,7 +73,40 @@ def serve(
         raise typer.BadParameter(str(e)) from None
     if settings.host not in ("127.0.0.1", "localhost", "::1") and settings.api_key is None:
         console.print(f"[yellow]warning:[/yellow] binding {settings.host} without an API key (AGENT_MTP_SERVE_API_KEY)")
+    if ray:
+        _serve_on_ray(settings, ray_config, replicas, max_ongoing_requests, min_replicas, max_replicas, ray_address)
+        return
     run_server(settings, log_level=log_level)
+
+
+def _serve_on_ray(
+    settings: Any,
+    config: Path | None,
+    replicas: int | None,
+    max_ongoing: int | None,
+    min_replicas: int | None,
+    max_replicas: int | None,
+    address: str | None,
+) -> None:
+    """The Ray Serve fleet (agent_mtp.server.ray_serve); --threads is the torch threads of each replica."""
+    from agent_mtp.errors import ConfigError
+    from agent_mtp.server.ray_serve import load_deployment, run_ray
+
+    try:
+        deployment = load_deployment(
+            config,
+            replicas=replicas,
+            max_ongoing_requests=max_ongoing,
+            min_replicas=min_replicas,
+            max_replicas=max_replicas,
+            address=address,
+            threads_per_replica=settings.threads,
+            http_host=settings.host if "host" in settings.model_fields_set else None,
+            http_port=settings.port if "port" in settings.model_fields_set else None,
+        )
+        run_ray(settings, deployment)
+    except ConfigError as e:
+        raise typer.BadParameter(str(e)) from None
 
 
 def run_server(settings: Any, *, log_level: str = "info") -> None:

@@ -1,0 +1,227 @@
+"""`agent-mtp serve --ray`: the OpenAI-compatible server as a Ray Serve application of N replicas.
+
+Each replica is the same app (:func:`agent_mtp.server.app.create_app`) in its own Ray actor: the model is loaded
+once per replica, with ``threads_per_replica`` torch threads; Ray Serve's HTTP proxy routes the same OpenAI routes
+to them. Replicas, request limits, autoscaling and health checks are configuration (:class:`RayDeployment`, from
+the command line or a YAML file), not code::
+
+    app = build_application(ServerSettings(model="default"), RayDeployment(replicas=2))
+    serve.run(app)                                   # or: agent-mtp serve --ray --replicas 2
+
+Fleet-wide quality control: every replica records telemetry under its replica id (``AGENT_MTP_TELEMETRY_REPLICA``)
+and, given one Redis, the policy breakers are shared through it (a trip on one replica holds on all).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
+
+from agent_mtp.errors import ConfigError
+from agent_mtp.server.settings import ServerSettings
+
+log = logging.getLogger("agent_mtp.server")
+
+ENV_REPLICA = "AGENT_MTP_TELEMETRY_REPLICA"
+DEPLOYMENT_NAME = "agent_mtp"
+_FORWARDED_ENV = ("AGENT_MTP_TELEMETRY_NAMESPACE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+"""Non-secret environment passed to replicas on other machines (secrets travel inside the settings object)."""
+
+
+class RayDeployment(BaseModel):
+    """How the fleet runs on Ray Serve; every field is also a key of the ``--ray-config`` YAML file."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    replicas: int = Field(default=1, ge=1)
+    """Fixed number of replicas (ignored when ``min_replicas``/``max_replicas`` turn autoscaling on)."""
+    min_replicas: int | None = Field(default=None, ge=0)
+    """Autoscaling lower bound (set with ``max_replicas``)."""
+    max_replicas: int | None = Field(default=None, ge=1)
+    """Autoscaling upper bound."""
+    target_ongoing_requests: float = Field(default=8.0, gt=0)
+    """Autoscaling target of in-flight requests per replica."""
+    max_ongoing_requests: int = Field(default=16, ge=1)
+    """Requests Ray sends to one replica at once (the rest wait in the proxy); match the server's max_active."""
+    threads_per_replica: int = Field(default=1, ge=1)
+    """torch CPU threads in each replica (also the CPUs Ray reserves for it)."""
+    num_gpus: float = Field(default=0.0, ge=0)
+    """GPUs per replica (1: one replica per GPU)."""
+    health_check_period_s: float = Field(default=10.0, gt=0)
+    health_check_timeout_s: float = Field(default=30.0, gt=0)
+    graceful_shutdown_timeout_s: float = Field(default=30.0, ge=0)
+    address: str | None = None
+    """Ray cluster to join ("auto": the one started with ``ray start`` on this machine; None: start a local one)."""
+    http_host: str = "127.0.0.1"
+    """Where Ray Serve's HTTP proxy listens (0.0.0.0 exposes it: set AGENT_MTP_SERVE_API_KEY)."""
+    http_port: int = Field(default=8000, ge=0, le=65535)
+
+    @model_validator(mode="after")
+    def _bounds(self) -> RayDeployment:
+        if (self.min_replicas is None) != (self.max_replicas is None):
+            msg = "set both min_replicas and max_replicas to autoscale (or neither, for a fixed replicas count)"
+            raise ValueError(msg)
+        if self.min_replicas is not None and self.max_replicas is not None and self.min_replicas > self.max_replicas:
+            msg = f"min_replicas {self.min_replicas} is above max_replicas {self.max_replicas}: swap them"
+            raise ValueError(msg)
+        return self
+
+    @property
+    def autoscaling(self) -> dict[str, Any] | None:
+        if self.min_replicas is None or self.max_replicas is None:
+            return None
+        return {
+            "min_replicas": self.min_replicas,
+            "max_replicas": self.max_replicas,
+            "initial_replicas": max(self.min_replicas, 1),
+            "target_ongoing_requests": self.target_ongoing_requests,
+        }
+
+
+def load_deployment(path: Path | None, **overrides: Any) -> RayDeployment:
+    """The YAML file's fields (if any) with the command line's non-None values on top."""
+    values: dict[str, Any] = {}
+    if path is not None:
+        try:
+            loaded = yaml.safe_load(path.read_text())
+        except (OSError, yaml.YAMLError) as e:
+            msg = f"cannot read the Ray deployment file {str(path)!r}: {e}"
+            raise ConfigError(msg) from None
+        if not isinstance(loaded, dict):
+            msg = f"the Ray deployment file {str(path)!r} must be a mapping of RayDeployment fields"
+            raise ConfigError(msg)
+        values.update(loaded)
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    try:
+        return RayDeployment(**values)
+    except ValidationError as e:
+        where = f" in {str(path)!r}" if path is not None else ""
+        msg = f"invalid Ray deployment{where}: {_describe(e)}"
+        raise ConfigError(msg) from None
+
+
+def _describe(error: ValidationError) -> str:
+    parts = []
+    for item in error.errors():
+        field = ".".join(str(p) for p in item["loc"]) or "deployment"
+        parts.append(f"{field}: {item['msg']} (got {item.get('input')!r})")
+    return "; ".join(parts)
+
+
+def fleet_settings(settings: ServerSettings, deployment: RayDeployment, environ: dict[str, str]) -> ServerSettings:
+    """The settings every replica runs with: the replica's thread count, and this process's Redis (telemetry and,
+    unless set apart, the shared breakers) carried as secrets inside the settings rather than the environment."""
+    update: dict[str, Any] = {"threads": deployment.threads_per_replica}
+    redis_url = settings.redis_url
+    if redis_url is None and environ.get("AGENT_MTP_REDIS_URL", "").strip():
+        redis_url = SecretStr(environ["AGENT_MTP_REDIS_URL"].strip())
+        update["redis_url"] = redis_url
+    if settings.breaker_store is None and redis_url is not None:
+        update["breaker_store"] = redis_url
+    return settings.model_copy(update=update)
+
+
+class MTPReplica:
+    """One replica: sets its telemetry replica id and torch threads, then serves the app (model loaded at startup).
+
+    Wrapped by :func:`build_application` with ``serve.ingress()``; Ray calls ``__serve_build_asgi_app__`` after
+    the constructor and ``check_health`` every ``health_check_period_s``."""
+
+    def __init__(self, settings: ServerSettings) -> None:
+        from ray import serve
+
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        os.environ[ENV_REPLICA] = self.replica_id  # read by Telemetry's config when the service is built
+        self.settings = settings
+        self._app: Any = None
+
+    def __serve_build_asgi_app__(self) -> Any:
+        from fastapi.responses import JSONResponse
+
+        from agent_mtp.server.app import create_app
+
+        app = create_app(self.settings)
+        replica_id = self.replica_id
+
+        @app.get("/replica")
+        async def replica() -> JSONResponse:
+            """Which replica answered (id, process id): for operators and the fault tests."""
+            return JSONResponse({"replica": replica_id, "pid": os.getpid()})
+
+        self._app = app
+        return app
+
+    def check_health(self) -> None:
+        """Ray replaces a replica whose check raises (or that stops answering)."""
+        serving = getattr(getattr(self._app, "state", None), "serving", None)
+        if serving is None:
+            msg = f"replica {self.replica_id}: the model is not serving"
+            raise RuntimeError(msg)
+        scheduler = getattr(serving.service.decoder, "scheduler", None)
+        thread = getattr(scheduler, "_thread", None)
+        if thread is not None and not thread.is_alive():
+            msg = f"replica {self.replica_id}: the batching scheduler thread died"
+            raise RuntimeError(msg)
+
+
+def build_application(settings: ServerSettings, deployment: RayDeployment) -> Any:
+    """The Ray Serve application (a bound deployment) of ``deployment.replicas`` MTP replicas."""
+    from ray import serve
+
+    options: dict[str, Any] = {
+        "name": DEPLOYMENT_NAME,
+        "max_ongoing_requests": deployment.max_ongoing_requests,
+        "health_check_period_s": deployment.health_check_period_s,
+        "health_check_timeout_s": deployment.health_check_timeout_s,
+        "graceful_shutdown_timeout_s": deployment.graceful_shutdown_timeout_s,
+        "ray_actor_options": {
+            "num_cpus": deployment.threads_per_replica,
+            "num_gpus": deployment.num_gpus,
+            "runtime_env": {"env_vars": _replica_env(deployment)},
+        },
+    }
+    autoscaling = deployment.autoscaling
+    if autoscaling is not None:
+        options["autoscaling_config"] = autoscaling
+    else:
+        options["num_replicas"] = deployment.replicas
+    ingress_class = serve.ingress()(MTPReplica)
+    return serve.deployment(**options)(ingress_class).bind(settings)
+
+
+def _replica_env(deployment: RayDeployment) -> dict[str, str]:
+    threads = str(deployment.threads_per_replica)
+    env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false"}
+    env.update({name: os.environ[name] for name in _FORWARDED_ENV if os.environ.get(name)})
+    return env
+
+
+def run_ray(settings: ServerSettings, deployment: RayDeployment, *, blocking: bool = True) -> None:
+    """Join (or start) the Ray cluster, start Serve's HTTP proxy, deploy, and serve until Ctrl-C."""
+    try:
+        import ray
+        from ray import serve
+    except ModuleNotFoundError:
+        msg = "agent-mtp serve --ray needs Ray Serve: pip install 'agent-mtp[ray]'"
+        raise ConfigError(msg) from None
+    fleet = fleet_settings(settings, deployment, dict(os.environ))
+    ray.init(address=deployment.address, include_dashboard=False, log_to_driver=True)
+    serve.start(http_options={"host": deployment.http_host, "port": deployment.http_port})
+    mode = (
+        f"autoscaling {deployment.min_replicas}-{deployment.max_replicas}"
+        if deployment.autoscaling
+        else f"{deployment.replicas} replicas"
+    )
+    log.info(
+        "Ray Serve: %s x %d threads on http://%s:%d",
+        mode,
+        deployment.threads_per_replica,
+        deployment.http_host,
+        deployment.http_port,
+    )
+    serve.run(build_application(fleet, deployment), name=DEPLOYMENT_NAME, route_prefix="/", blocking=blocking)
