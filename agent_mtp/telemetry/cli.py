@@ -14,9 +14,10 @@ from rich.live import Live
 
 from agent_mtp.errors import TelemetryError
 from agent_mtp.redis_url import scrub, url_secrets
-from agent_mtp.telemetry.config import ENV_REDIS_URL, WINDOWS, load_env, parse_window
+from agent_mtp.telemetry.config import ENV_REDIS_URL, WINDOWS, load_env, parse_window, replica_namespace
 from agent_mtp.telemetry.dashboard import plot_report, render
-from agent_mtp.telemetry.queries import StatsReport, query_stats, redis_store
+from agent_mtp.telemetry.queries import StatsReport, query_stats, redis_store, window_buckets
+from agent_mtp.telemetry.store import STORE_ERRORS, RedisStore
 
 
 def register(app: typer.Typer) -> None:
@@ -39,6 +40,9 @@ def stats(
         str | None, typer.Option("--namespace", help="Key namespace of the fleet (default: agent_mtp).")
     ] = None,
     by_model: Annotated[bool, typer.Option("--by-model", help="One row per model as well.")] = False,
+    by_replica: Annotated[
+        bool, typer.Option("--by-replica", help="The fleet, then each replica (Ray Serve replicas) on its own.")
+    ] = False,
     interval: Annotated[float, typer.Option("--interval", help="Seconds between refreshes with --watch.")] = 2.0,
     refreshes: Annotated[int, typer.Option("--refreshes", hidden=True, help="Stop --watch after N refreshes.")] = 0,
 ) -> None:
@@ -66,7 +70,52 @@ def stats(
         _watch(read, json_output=json_output, plot=plot, interval=interval, refreshes=refreshes)
         return
     report = read()
+    if by_replica:
+        _emit_replicas(report, store, window_s=window_s, group_by=group_by, json_output=json_output, secrets=secrets)
+        return
     _emit(report, json_output=json_output, plot=plot)
+
+
+def fleet_replicas(store: RedisStore, window_s: int) -> list[str]:
+    """Replica ids that wrote to the fleet's namespace in the window (writer ids ``replica@host:pid``)."""
+    writers = store.read(window_buckets(window_s, time.time())).writers
+    return sorted({name.split("@", 1)[0] for name in writers if "@" in name})
+
+
+def _emit_replicas(
+    fleet: StatsReport,
+    store: RedisStore,
+    *,
+    window_s: int,
+    group_by: tuple[str, ...],
+    json_output: bool,
+    secrets: tuple[str, ...],
+) -> None:
+    namespace = store.config.namespace
+    try:
+        names = fleet_replicas(store, window_s)
+        reports = {
+            name: query_stats(
+                RedisStore(
+                    store.client, config=store.config.with_overrides(namespace=replica_namespace(namespace, name))
+                ),
+                window=window_s,
+                namespace=replica_namespace(namespace, name),
+                group_by=group_by,
+            )
+            for name in names
+        }
+    except (TelemetryError, *STORE_ERRORS) as e:
+        _fail(scrub(f"cannot read the replicas: {e}", secrets), code=1)
+    if json_output:
+        body = {"fleet": fleet.to_dict(), "replicas": {name: r.to_dict() for name, r in reports.items()}}
+        typer.echo(json.dumps(body, indent=2))
+        return
+    console = Console()
+    console.print(render(fleet))
+    for name, report in reports.items():
+        console.print(f"[bold]replica {name}[/bold]")
+        console.print(render(report))
 
 
 def _emit(report: StatsReport, *, json_output: bool, plot: Path | None) -> None:

@@ -5,6 +5,7 @@ Environment (read only by :func:`load_env`):
 
     AGENT_MTP_REDIS_URL              redis://[user:password@]host:port/db, rediss://... (TLS) or unix:///path
     AGENT_MTP_TELEMETRY_NAMESPACE    key namespace shared by every worker of one fleet (default ``agent_mtp``)
+    AGENT_MTP_TELEMETRY_REPLICA      this worker's replica id (a Ray Serve replica): its steps are also kept apart
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from agent_mtp.redis_url import redact_url, validate_redis_url
 
 ENV_REDIS_URL = "AGENT_MTP_REDIS_URL"
 ENV_NAMESPACE = "AGENT_MTP_TELEMETRY_NAMESPACE"
+ENV_REPLICA = "AGENT_MTP_TELEMETRY_REPLICA"
 
 BUCKET_S = 10
 """Width of one time bucket in seconds; fixed so that every writer and reader of a namespace agree on keys."""
@@ -62,9 +64,18 @@ class TelemetryConfig:
     """How long Redis remembers a flush id: a retried batch is recognised as a duplicate within this time."""
     intervention_log_size: int = 1000
     """Most recent interventions kept in the Redis list shown by the dashboard."""
+    replica: str | None = None
+    """This worker's replica id: its events also go to the namespace :func:`replica_namespace` (the fleet's
+    aggregates are unchanged; ``agent-mtp stats --by-replica`` reads both)."""
 
     def __post_init__(self) -> None:
         validate_namespace(self.namespace)
+        if self.replica is not None and _NAMESPACE.fullmatch(replica_namespace(self.namespace, self.replica)) is None:
+            msg = (
+                f"invalid telemetry replica id {self.replica!r} (${ENV_REPLICA}): use characters from "
+                f"A-Z a-z 0-9 _ . - so that {replica_namespace(self.namespace, '<id>')!r} stays within 64"
+            )
+            raise TelemetryError(msg)
         if self.redis_url is not None:
             validate_redis_url(self.redis_url, setting="telemetry redis_url")
         _require_positive("flush_interval_s", self.flush_interval_s)
@@ -113,7 +124,15 @@ def load_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     namespace = env.get(ENV_NAMESPACE, "").strip()
     if namespace:
         values["namespace"] = namespace
+    replica = env.get(ENV_REPLICA, "").strip()
+    if replica:
+        values["replica"] = replica
     return values
+
+
+def replica_namespace(namespace: str, replica: str) -> str:
+    """Where one replica's own copy of its events lives: ``<namespace>.r.<replica>``."""
+    return f"{namespace}.r.{replica}"
 
 
 def _require_positive(name: str, value: float) -> None:

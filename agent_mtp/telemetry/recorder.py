@@ -11,7 +11,7 @@ import threading
 import time
 import weakref
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, get_args
 
 import redis
@@ -20,7 +20,7 @@ from agent_mtp.errors import TelemetryError
 from agent_mtp.events import InterventionEvent, InterventionKind, StepEvent
 from agent_mtp.redis_url import url_secrets
 from agent_mtp.telemetry.aggregate import RECORD_ERRORS, Pending
-from agent_mtp.telemetry.config import ENV_REDIS_URL, TelemetryConfig, parse_window
+from agent_mtp.telemetry.config import ENV_REDIS_URL, TelemetryConfig, parse_window, replica_namespace
 from agent_mtp.telemetry.flusher import Flusher
 from agent_mtp.telemetry.store import MemoryStore, RedisStore, Store
 
@@ -96,6 +96,8 @@ class Telemetry:
         self._secrets = url_secrets(config.redis_url)
         self._start_enabled = start
         self._closed = False
+        self._replica = _replica_telemetry(self._store, config, start=start)
+        """With ``config.replica``: the same events again, under the replica's own namespace."""
         self._init_process_state()
         _INSTANCES.add(self)
         _register_child_finalizer(self)  # when created inside a multiprocessing child
@@ -114,7 +116,7 @@ class Telemetry:
         self._flusher = Flusher(
             self._store,
             config=self.config,
-            writer=f"{socket.gethostname()[:64]}:{os.getpid()}",
+            writer=_writer_id(self.config.replica),
             secrets=self._secrets,
             count_health=self._count_health,
         )
@@ -131,6 +133,8 @@ class Telemetry:
             with self._lock:
                 self._pending.add(event, now)
                 self._recorded += 1
+            if self._replica is not None:
+                self._replica.record(event)
             if self._thread is None and self._start_enabled:
                 self._ensure_thread()
         except Exception:  # a bug here must never fail a generation
@@ -183,6 +187,8 @@ class Telemetry:
         Blocks for at most about one store timeout per pipelined round trip, plus ``timeout_s`` waiting for a
         flush already in progress (``None`` waits for it).
         """
+        if self._replica is not None:
+            self._replica.flush(timeout_s)
         flusher = self._flusher
         acquired = flusher.lock.acquire(timeout=-1 if timeout_s is None else timeout_s)
         if not acquired:
@@ -198,6 +204,8 @@ class Telemetry:
         """Stop the flusher thread and flush what is left; True when nothing was left unsent.
 
         Closing again only flushes when something was recorded since (use :meth:`flush` to retry)."""
+        if self._replica is not None:
+            self._replica.close(timeout_s)
         if self._closed and self._nothing_pending():
             return not self._flusher.backlog
         self._closed = True
@@ -293,6 +301,27 @@ def process_telemetry(environ: Mapping[str, str] | None = None) -> Telemetry | N
         if _process_telemetry is None or _process_telemetry.config != config:  # the environment changed
             _process_telemetry = Telemetry(config=config)
         return _process_telemetry
+
+
+def _writer_id(replica: str | None) -> str:
+    """``host:pid``, or ``replica@host:pid`` for a replica (how the fleet's writer sets list its replicas)."""
+    writer = f"{socket.gethostname()[:64]}:{os.getpid()}"
+    return writer if replica is None else f"{replica}@{writer}"
+
+
+def _replica_telemetry(store: Store, config: TelemetryConfig, *, start: bool) -> Telemetry | None:
+    """A second recorder on the same Redis (or memory) under ``<namespace>.r.<replica>``; None without a replica
+    id or on a custom store."""
+    if config.replica is None:
+        return None
+    own = replace(config, namespace=replica_namespace(config.namespace, config.replica), replica=None)
+    if isinstance(store, RedisStore):
+        copy = RedisStore(store.client, config=own, target=store.target)
+        copy.secrets = store.secrets
+        return Telemetry(copy, config=own, start=start)
+    if isinstance(store, MemoryStore):
+        return Telemetry(MemoryStore(config=own), config=own, start=start)
+    return None
 
 
 def _make_store(target: str | redis.Redis | Store | None, config: TelemetryConfig) -> Store:
