@@ -42,8 +42,9 @@ DEFAULT_WINDOW_S = 0.002
 
 STRAGGLER_SHARE = 0.15
 """A pass waits for missing sequences up to this share of the last pass's time (at least ``window_s``)."""
-MEASURED_ROWS = 64
-"""Pass times are measured by total rows up to this many (decode passes; longer ones are prefills)."""
+MEASURED_ROWS = 256
+"""Pass times are measured by total rows up to this many (every decode pass; longer ones are prefills). A pass the
+planner chose must be measurable, or a fit that underrates rows could never learn better."""
 
 
 @dataclass(frozen=True)
@@ -269,13 +270,16 @@ class SharedPassCurve(CostCurve):
 
 def pass_time_curve(base: CostCurve, table: Sequence[PassTime | None], *, min_count: int = 2) -> list[float]:
     """Relative pass time by total rows 0..len(table)-1 (index 0 unused): ``a + b * rows`` fitted to the measured
-    passes (weighted least squares; a straight line, so noise never makes extra rows look free), or the base
-    curve until two row counts have been measured ``min_count`` times."""
+    passes (weighted least squares; a straight line whose slope is at least the base curve's, so noise never makes
+    extra rows look free), or the base curve until two row counts have been measured ``min_count`` times."""
     points = [(r, t.seconds, min(t.count, 20)) for r, t in enumerate(table) if t is not None and t.count >= min_count]
     fit = _line([(r, t, w) for r, t, w in points if r])
     if fit is None:
         return [0.0, *(base.cost(r) for r in range(1, len(table)))]
     a, b = fit
+    # a row in a batch costs at least what it costs one sequence alone (the base curve's slope): noisy timings
+    # on a starved CPU must never make rows look nearly free
+    b = max(b, a * (base.cost(16) - base.cost(1)) / 15)
     return [0.0, *(a + b * r for r in range(1, len(table)))]
 
 

@@ -98,6 +98,11 @@ def test_measured_pass_times_replace_the_base_curve() -> None:
     measured = shared_pass_cost(times, 4, others=3, other_rows=3)
     assumed = shared_pass_cost(pass_time_curve(CURVE, [None] * 65), 4, others=3, other_rows=3)
     assert measured > assumed  # drafts shrink once passes are measured to be dear
+    flat: list[PassTime | None] = [None] * 257
+    flat[8], flat[40] = PassTime(0.2, 5), PassTime(0.2, 5)  # noise on a starved CPU: rows look free
+    times = pass_time_curve(CURVE, flat)
+    slope = (CURVE.cost(16) - CURVE.cost(1)) / 15
+    assert (times[100] - times[99]) / (times[1] - (times[2] - times[1])) >= slope * 0.999
 
 
 def test_hf_runtime_engine_is_served_serially() -> None:
