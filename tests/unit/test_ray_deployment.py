@@ -1,0 +1,77 @@
+"""The Ray deployment settings (no Ray needed): YAML file with command-line overrides, extra="forbid", autoscaling
+bounds, fleet settings that carry Redis as a secret; a bad value on the command line names the field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import SecretStr
+
+from agent_mtp.errors import ConfigError
+from agent_mtp.server.ray_serve import RayDeployment, fleet_settings, load_deployment
+from agent_mtp.server.settings import ServerSettings
+
+
+def test_yaml_file_with_command_line_overrides(tmp_path: Path) -> None:
+    path = tmp_path / "fleet.yaml"
+    path.write_text("replicas: 3\nmax_ongoing_requests: 8\nthreads_per_replica: 2\nnum_gpus: 1\n")
+    deployment = load_deployment(path, replicas=4, max_ongoing_requests=None)
+    assert (deployment.replicas, deployment.max_ongoing_requests, deployment.threads_per_replica) == (4, 8, 2)
+    assert deployment.num_gpus == 1 and deployment.autoscaling is None
+
+
+def test_autoscaling_bounds() -> None:
+    deployment = load_deployment(None, min_replicas=1, max_replicas=4)
+    assert deployment.autoscaling == {
+        "min_replicas": 1,
+        "max_replicas": 4,
+        "initial_replicas": 1,
+        "target_ongoing_requests": 8.0,
+    }
+    with pytest.raises(ConfigError, match="both min_replicas and max_replicas"):
+        load_deployment(None, min_replicas=1)
+    with pytest.raises(ConfigError, match="swap them"):
+        load_deployment(None, min_replicas=5, max_replicas=2)
+
+
+def test_unknown_or_bad_fields_are_refused_with_the_file_and_field(tmp_path: Path) -> None:
+    path = tmp_path / "fleet.yaml"
+    path.write_text("replica: 2\n")  # a typo of replicas
+    with pytest.raises(ConfigError, match=r"fleet.yaml.*replica: Extra inputs are not permitted"):
+        load_deployment(path)
+    path.write_text("- 1\n")
+    with pytest.raises(ConfigError, match="must be a mapping"):
+        load_deployment(path)
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_deployment(tmp_path / "missing.yaml")
+    with pytest.raises(ConfigError, match=r"replicas: .*got 0"):
+        load_deployment(None, replicas=0)
+
+
+def test_fleet_settings_carry_redis_as_a_secret_and_share_the_breakers() -> None:
+    fleet = fleet_settings(
+        ServerSettings(), RayDeployment(threads_per_replica=2), {"AGENT_MTP_REDIS_URL": "redis://h:6379/0"}
+    )
+    assert fleet.threads == 2
+    assert isinstance(fleet.redis_url, SecretStr) and fleet.breaker_store == fleet.redis_url
+    assert "redis://h" not in repr(fleet)
+    apart = fleet_settings(
+        ServerSettings(breaker_store=SecretStr("redis://b:6379/1")),
+        RayDeployment(),
+        {"AGENT_MTP_REDIS_URL": "redis://h"},
+    )
+    assert apart.breaker_store is not None and apart.breaker_store.get_secret_value() == "redis://b:6379/1"
+    assert fleet_settings(ServerSettings(), RayDeployment(), {}).redis_url is None
+
+
+def test_serve_ray_options_are_checked_before_ray_starts(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from agent_mtp.cli import app
+
+    runner = CliRunner()
+    help_text = runner.invoke(app, ["serve", "--help"]).output
+    assert "--ray" in help_text and "--replicas" in help_text
+    bad = runner.invoke(app, ["serve", "--ray", "--min-replicas", "3", "--max-replicas", "1"])
+    assert bad.exit_code != 0 and "swap them" in bad.output
