@@ -6,13 +6,12 @@ from __future__ import annotations
 import json
 
 import pytest
-import typer
 from typer.testing import CliRunner
 
+from agent_mtp.cli import app as cli
 from agent_mtp.errors import TelemetryError
 from agent_mtp.events import StepEvent
 from agent_mtp.telemetry import Telemetry, TelemetryConfig, redis_store
-from agent_mtp.telemetry.cli import register
 from agent_mtp.telemetry.config import replica_namespace
 from agent_mtp.telemetry.queries import query_stats
 from tests.fixtures.redis_server import RedisServer
@@ -32,17 +31,6 @@ def _write(url: str, replica: str | None, steps: int, latency_s: float) -> None:
             telemetry.record(_step(latency_s))
 
 
-def _cli() -> typer.Typer:
-    app = typer.Typer()
-
-    @app.callback()
-    def main() -> None:
-        """agent-mtp (test app)."""
-
-    register(app)
-    return app
-
-
 def test_replica_steps_count_in_the_fleet_and_apart(redis_server: RedisServer) -> None:
     url = redis_server.url
     _write(url, "r1", 3, 0.1)
@@ -56,13 +44,13 @@ def test_replica_steps_count_in_the_fleet_and_apart(redis_server: RedisServer) -
     assert one.total.p95_s is not None and two.total.p95_s is not None and one.total.p95_s < two.total.p95_s
 
     result = CliRunner().invoke(
-        _cli(), ["stats", "--redis-url", url, "--namespace", "fleet", "--by-replica", "--json", "--window", "5m"]
+        cli, ["stats", "--redis-url", url, "--namespace", "fleet", "--by-replica", "--json", "--window", "5m"]
     )
     assert result.exit_code == 0, result.output
     body = json.loads(result.output)
     assert body["fleet"]["total"]["requests"] == 10
     assert {name: r["total"]["requests"] for name, r in body["replicas"].items()} == {"r1": 3, "r2": 5}
-    table = CliRunner().invoke(_cli(), ["stats", "--redis-url", url, "--namespace", "fleet", "--by-replica"])
+    table = CliRunner().invoke(cli, ["stats", "--redis-url", url, "--namespace", "fleet", "--by-replica"])
     assert table.exit_code == 0 and "replica r1" in table.output and "replica r2" in table.output
 
 
