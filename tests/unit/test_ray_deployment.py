@@ -75,3 +75,15 @@ def test_serve_ray_options_are_checked_before_ray_starts(tmp_path: Path) -> None
     assert "--ray" in help_text and "--replicas" in help_text
     bad = runner.invoke(app, ["serve", "--ray", "--min-replicas", "3", "--max-replicas", "1"])
     assert bad.exit_code != 0 and "swap them" in bad.output
+
+
+def test_serve_ray_without_ray_says_which_extra_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    from typer.testing import CliRunner
+
+    from agent_mtp.cli import app
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if the ray extra were not installed
+    result = CliRunner().invoke(app, ["serve", "--ray", "--replicas", "2"])
+    assert result.exit_code != 0 and "agent-mtp[ray]" in result.output
