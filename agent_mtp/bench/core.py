@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from agent_mtp.bench.hf import BaselineModels, hf_generate
+from agent_mtp.bench.hf import BaselineModels, HFOutput, hf_generate
 from agent_mtp.bench.scoring import mean_nll, repetition_rate, score_item, token_agreement
 from agent_mtp.bench.suites import BenchPrompt, load_suite, prompt_grammar
 from agent_mtp.engine import DecodeConfig, MTPEngine
@@ -191,17 +191,7 @@ def run_once(
     ids = engine.encode_prompt(prompt.prompt_messages())
     models = baselines if baselines is not None else BaselineModels(engine)
     if variant.peer is not None:
-        out = models.llama_cpp().generate(ids, prompt.max_new_tokens, engine.eos_token_ids)
-        return Run(
-            variant.name,
-            prompt.id,
-            out.token_ids,
-            out.wall_s,
-            out.ttft_s,
-            out.forward_passes,
-            prompt.suite,
-            prompt.score,
-        )
+        return _peer_run(variant, prompt, models.llama_cpp().generate(ids, prompt.max_new_tokens, engine.eos_token_ids))
     compiled = prompt_grammar(engine, prompt) if grammar else None
     constraint = compiled.constraint() if compiled is not None else None
     if variant.config is None:
@@ -209,16 +199,7 @@ def run_once(
             out = hf_generate(
                 engine, model, ids, prompt.max_new_tokens, prompt_lookup=variant.prompt_lookup, constraint=constraint
             )
-        return Run(
-            variant.name,
-            prompt.id,
-            out.token_ids,
-            out.wall_s,
-            out.ttft_s,
-            out.forward_passes,
-            prompt.suite,
-            prompt.score,
-        )
+        return _peer_run(variant, prompt, out)
     # every prompt prefilled in full, as HF generate does (agent-mtp bench-prefix measures the prefix cache)
     config = variant.config.replace(max_new_tokens=prompt.max_new_tokens, prefix_cache=False)
     runner_engine = models.engine(variant.runtime)
@@ -236,6 +217,13 @@ def run_once(
         prompt.suite,
         prompt.score,
         jump_forward_tokens=s.jump_forward_tokens,
+    )
+
+
+def _peer_run(variant: Variant, prompt: BenchPrompt, out: HFOutput) -> Run:
+    """A timed run of a peer (HF generate, llama.cpp), timed by the peer itself."""
+    return Run(
+        variant.name, prompt.id, out.token_ids, out.wall_s, out.ttft_s, out.forward_passes, prompt.suite, prompt.score
     )
 
 
