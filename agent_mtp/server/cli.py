@@ -71,12 +71,20 @@ def serve(
         settings = ServerSettings(**{k: v for k, v in given.items() if v is not None})
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
-    if settings.host not in ("127.0.0.1", "localhost", "::1") and settings.api_key is None:
-        console.print(f"[yellow]warning:[/yellow] binding {settings.host} without an API key (AGENT_MTP_SERVE_API_KEY)")
     if ray:
         _serve_on_ray(settings, ray_config, replicas, max_ongoing_requests, min_replicas, max_replicas, ray_address)
         return
+    warn_if_exposed(settings.host, settings)
     run_server(settings, log_level=log_level)
+
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def warn_if_exposed(host: str, settings: Any) -> None:
+    """Warn when the server listens beyond loopback and /v1 takes requests without an API key."""
+    if host not in LOOPBACK and settings.api_key is None:
+        console.print(f"[yellow]warning:[/yellow] binding {host} without an API key (AGENT_MTP_SERVE_API_KEY)")
 
 
 def _serve_on_ray(
@@ -104,6 +112,7 @@ def _serve_on_ray(
             http_host=settings.host if "host" in settings.model_fields_set else None,
             http_port=settings.port if "port" in settings.model_fields_set else None,
         )
+        warn_if_exposed(deployment.http_host, settings)  # the proxy's host: --host, else the YAML file's
         run_ray(settings, deployment)
     except ConfigError as e:
         raise typer.BadParameter(str(e)) from None

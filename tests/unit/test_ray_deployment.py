@@ -87,3 +87,40 @@ def test_serve_ray_without_ray_says_which_extra_to_install(monkeypatch: pytest.M
     monkeypatch.setitem(sys.modules, "ray", None)  # as if the ray extra were not installed
     result = CliRunner().invoke(app, ["serve", "--ray", "--replicas", "2"])
     assert result.exit_code != 0 and "agent-mtp[ray]" in result.output
+
+
+@pytest.mark.parametrize("where", ["yaml", "flag"])
+def test_serve_ray_on_a_non_loopback_host_without_a_key_warns_as_plain_serve_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    from typer.testing import CliRunner
+
+    import agent_mtp.server.cli as server_cli
+    import agent_mtp.server.ray_serve as ray_serve
+    from agent_mtp.cli import app
+
+    deployed: list[RayDeployment] = []
+    monkeypatch.setattr(ray_serve, "run_ray", lambda settings, deployment: deployed.append(deployment))
+    monkeypatch.setattr(server_cli, "run_server", lambda settings, log_level: None)
+    monkeypatch.delenv("AGENT_MTP_SERVE_API_KEY", raising=False)
+    monkeypatch.delenv("AGENT_MTP_SERVE_HOST", raising=False)
+    path = tmp_path / "fleet.yaml"
+    path.write_text("http_host: 0.0.0.0\n" if where == "yaml" else "replicas: 1\n")
+    command = ["serve", "--ray", "--ray-config", str(path)] + (["--host", "0.0.0.0"] if where == "flag" else [])
+    runner = CliRunner()
+
+    def warnings(args: list[str]) -> list[str]:
+        result = runner.invoke(app, args)
+        assert result.exit_code == 0, result.output
+        text = " ".join(result.output.split())
+        return [line for line in text.split("warning:")[1:] if "without an API key" in line]
+
+    expected = "binding 0.0.0.0 without an API key (AGENT_MTP_SERVE_API_KEY)"
+    on_ray = warnings(command)
+    assert len(on_ray) == 1 and expected in on_ray[0]  # once, even when --host sets both
+    assert deployed[-1].http_host == "0.0.0.0"
+    plain = warnings(["serve", "--host", "0.0.0.0"])  # the same warning as the plain server's
+    assert len(plain) == 1 and expected in plain[0]
+    assert not warnings(["serve", "--ray", "--ray-config", str(tmp_path / "fleet.yaml"), "--host", "127.0.0.1"])
+    monkeypatch.setenv("AGENT_MTP_SERVE_API_KEY", "k")
+    assert not warnings(command) and not warnings(["serve", "--host", "0.0.0.0"])
