@@ -10,7 +10,7 @@ import asyncio
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import Any
@@ -46,41 +46,31 @@ def build_service(settings: ServerSettings) -> Service:
     return Service(engine, recorder=recorder, breaker_store=breaker, concurrency=settings.concurrency)
 
 
-def create_app(settings: ServerSettings | None = None, *, service: Service | None = None) -> FastAPI:
-    """The ASGI app of one deployment. Without ``service`` the model loads at startup (``build_service``)."""
-    settings = settings or ServerSettings()
-    state: dict[str, Any] = {}
+@asynccontextmanager
+async def serving_lifetime(settings: ServerSettings, service: Service | None = None) -> AsyncIterator[ChatServing]:
+    """The serving core of one process for the duration of the block: the service (the model loads here unless
+    ``service`` is given), one worker thread per decoding request, and the cleanup on exit. Used by the app's
+    lifespan and by each Ray replica (``agent_mtp.server.ray_app.MTPReplica``)."""
+    own = service is None
+    svc = service if service is not None else await asyncio.to_thread(build_service, settings)
+    # one worker thread per decoding request (the default pool has min(32, cpus + 4) threads)
+    pool = ThreadPoolExecutor(settings.max_active + 4, thread_name_prefix="agent-mtp-serve")
+    asyncio.get_running_loop().set_default_executor(pool)
+    log.info("Serving %s on %s runtime (%s)", settings.model_name, svc.engine.runtime, settings.concurrency)
+    try:
+        yield ChatServing(svc, settings)
+    finally:
+        if own:
+            svc.close()
+            if settings.redis_url is not None:  # this app's own Telemetry (the process-wide one closes at exit)
+                close = getattr(svc.recorder, "close", None)
+                if close is not None:
+                    close()
+        pool.shutdown(wait=False, cancel_futures=True)
 
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        own = service is None
-        svc = service if service is not None else await asyncio.to_thread(build_service, settings)
-        # one worker thread per decoding request (the default pool has min(32, cpus + 4) threads)
-        pool = ThreadPoolExecutor(settings.max_active + 4, thread_name_prefix="agent-mtp-serve")
-        asyncio.get_running_loop().set_default_executor(pool)
-        state["serving"] = app.state.serving = ChatServing(svc, settings)
-        state["started"] = int(time.time())
-        log.info("Serving %s on %s runtime (%s)", settings.model_name, svc.engine.runtime, settings.concurrency)
-        try:
-            yield
-        finally:
-            state.pop("serving", None)
-            if own:
-                svc.close()
-                if settings.redis_url is not None:  # this app's own Telemetry (the process-wide one closes at exit)
-                    close = getattr(svc.recorder, "close", None)
-                    if close is not None:
-                        close()
-            pool.shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(title="agent-mtp", version="0.1.0", lifespan=lifespan)
-    install_handlers(app)
-
-    def serving() -> ChatServing:
-        current = state.get("serving")
-        if current is None:
-            raise ServerError(503, "The server is starting or shutting down; retry shortly.", type="server_error")
-        return current  # type: ignore[no-any-return]
+def api_key_check(settings: ServerSettings) -> Callable[[Request], None]:
+    """The dependency that refuses a /v1 request without ``Authorization: Bearer <api_key>`` (when one is set)."""
 
     def authorize(request: Request) -> None:
         if settings.api_key is None:
@@ -92,18 +82,56 @@ def create_app(settings: ServerSettings | None = None, *, service: Service | Non
             msg = "Missing or incorrect API key; send 'Authorization: Bearer <key>' with the server's api_key."
             raise ServerError(401, msg, code="invalid_api_key")
 
+    return authorize
+
+
+def health_body(serving: ChatServing, settings: ServerSettings) -> dict[str, Any]:
+    """What /health says of a serving process: its model, admission and batching counters."""
+    admission = serving.admission
+    body: dict[str, Any] = {
+        "status": "ok",
+        "model": settings.model_name,
+        "active": admission.active,
+        "queued": admission.waiting,
+    }
+    scheduler = getattr(serving.service.decoder, "scheduler", None)
+    if scheduler is not None:
+        stats = scheduler.stats()
+        body["batching"] = {"passes": stats.passes, "mean_batch": round(stats.mean_batch, 3)}
+    return body
+
+
+def create_app(settings: ServerSettings | None = None, *, service: Service | None = None) -> FastAPI:
+    """The ASGI app of one deployment. Without ``service`` the model loads at startup (``build_service``)."""
+    settings = settings or ServerSettings()
+    state: dict[str, Any] = {}
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async with serving_lifetime(settings, service) as current:
+            state["serving"] = app.state.serving = current
+            state["started"] = int(time.time())
+            try:
+                yield
+            finally:
+                state.pop("serving", None)
+
+    app = FastAPI(title="agent-mtp", version="0.1.0", lifespan=lifespan)
+    install_handlers(app)
+    authorize = api_key_check(settings)
+
+    def serving() -> ChatServing:
+        current = state.get("serving")
+        if current is None:
+            raise ServerError(503, "The server is starting or shutting down; retry shortly.", type="server_error")
+        return current  # type: ignore[no-any-return]
+
     @app.get("/health")
     async def health() -> JSONResponse:
         current = state.get("serving")
         if current is None:
             return JSONResponse({"status": "starting"}, status_code=503)
-        admission = current.admission
-        body = {"status": "ok", "model": settings.model_name, "active": admission.active, "queued": admission.waiting}
-        scheduler = getattr(current.service.decoder, "scheduler", None)
-        if scheduler is not None:
-            stats = scheduler.stats()
-            body["batching"] = {"passes": stats.passes, "mean_batch": round(stats.mean_batch, 3)}
-        return JSONResponse(body)
+        return JSONResponse(health_body(current, settings))
 
     @app.get("/v1/models", dependencies=[Depends(authorize)])
     async def models() -> ModelList:

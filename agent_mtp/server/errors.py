@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -64,6 +65,23 @@ def overloaded(retry_after_s: int, active: int, queued: int) -> ServerError:
     return ServerError(
         429, msg, type="rate_limit_error", code="server_overloaded", headers={"Retry-After": str(retry_after_s)}
     )
+
+
+def replica_unavailable(retry_after_s: int = 1) -> ServerError:
+    """A Ray replica died (or could not be reached) under the request: retryable, the other replicas serve."""
+    msg = (
+        "The replica serving this request died before it finished (Ray is replacing it); the request was not "
+        f"completed and may be retried: the other replicas keep serving. Retry after {retry_after_s} s "
+        "(the Retry-After header)."
+    )
+    return ServerError(
+        503, msg, type="server_error", code="replica_unavailable", headers={"Retry-After": str(retry_after_s)}
+    )
+
+
+def sse_error(error: ServerError) -> str:
+    """The error as one server-sent event (what a stream that has started sends before it ends)."""
+    return f"data: {json.dumps(error.body())}\n\n"
 
 
 def from_exception(error: BaseException) -> ServerError:

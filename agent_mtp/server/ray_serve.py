@@ -1,9 +1,11 @@
 """`agent-mtp serve --ray`: the OpenAI-compatible server as a Ray Serve application of N replicas.
 
-Each replica is the same app (:func:`agent_mtp.server.app.create_app`) in its own Ray actor: the model is loaded
-once per replica, with ``threads_per_replica`` torch threads; Ray Serve's HTTP proxy routes the same OpenAI routes
-to them. Replicas, request limits, autoscaling and health checks are configuration (:class:`RayDeployment`, from
-the command line or a YAML file), not code::
+Two deployments (:mod:`agent_mtp.server.ray_app`): N model replicas, each the server's serving core in its own Ray
+actor (the model loaded once per replica, ``threads_per_replica`` torch threads), and one router, the HTTP ingress
+behind Ray Serve's proxy, that serves the same OpenAI routes, checks the API key and forwards to the replicas through
+a ``DeploymentHandle``. A replica that dies under a request gives that request a retryable 503 (or an SSE error
+event mid-stream) instead of the proxy's bare 500. Replicas, request limits, autoscaling and health checks are
+configuration (:class:`RayDeployment`, from the command line or a YAML file), not code::
 
     app = build_application(ServerSettings(model="default"), RayDeployment(replicas=2))
     serve.run(app)                                   # or: agent-mtp serve --ray --replicas 2
@@ -27,8 +29,9 @@ from agent_mtp.server.settings import ServerSettings
 
 log = logging.getLogger("agent_mtp.server")
 
-ENV_REPLICA = "AGENT_MTP_TELEMETRY_REPLICA"
 DEPLOYMENT_NAME = "agent_mtp"
+"""The model replicas' deployment (and the application's name)."""
+ROUTER_NAME = "agent_mtp_router"
 _FORWARDED_ENV = ("AGENT_MTP_TELEMETRY_NAMESPACE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
 """Non-secret environment passed to replicas on other machines (secrets travel inside the settings object)."""
 
@@ -47,7 +50,7 @@ class RayDeployment(BaseModel):
     target_ongoing_requests: float = Field(default=8.0, gt=0)
     """Autoscaling target of in-flight requests per replica."""
     max_ongoing_requests: int = Field(default=16, ge=1)
-    """Requests Ray sends to one replica at once (the rest wait in the proxy); match the server's max_active."""
+    """Requests Ray sends to one replica at once (the rest wait in the router); match the server's max_active."""
     threads_per_replica: int = Field(default=1, ge=1)
     """torch CPU threads in each replica (also the CPUs Ray reserves for it)."""
     num_gpus: float = Field(default=0.0, ge=0)
@@ -70,6 +73,13 @@ class RayDeployment(BaseModel):
             msg = f"min_replicas {self.min_replicas} is above max_replicas {self.max_replicas}: swap them"
             raise ValueError(msg)
         return self
+
+    @property
+    def router_max_ongoing_requests(self) -> int:
+        """Requests the router holds at once: room for every replica's share and their queue, so that requests wait
+        for a replica in the router (where a replica's death is turned into a retryable error), not in the proxy."""
+        most = self.max_replicas if self.max_replicas is not None else self.replicas
+        return max(1024, 4 * most * self.max_ongoing_requests)
 
     @property
     def autoscaling(self) -> dict[str, Any] | None:
@@ -126,52 +136,11 @@ def fleet_settings(settings: ServerSettings, deployment: RayDeployment, environ:
     return settings.model_copy(update=update)
 
 
-class MTPReplica:
-    """One replica: sets its telemetry replica id and torch threads, then serves the app (model loaded at startup).
-
-    Wrapped by :func:`build_application` with ``serve.ingress()``; Ray calls ``__serve_build_asgi_app__`` after
-    the constructor and ``check_health`` every ``health_check_period_s``."""
-
-    def __init__(self, settings: ServerSettings) -> None:
-        from ray import serve
-
-        self.replica_id = serve.get_replica_context().replica_id.unique_id
-        os.environ[ENV_REPLICA] = self.replica_id  # read by Telemetry's config when the service is built
-        self.settings = settings
-        self._app: Any = None
-
-    def __serve_build_asgi_app__(self) -> Any:
-        from fastapi.responses import JSONResponse
-
-        from agent_mtp.server.app import create_app
-
-        app = create_app(self.settings)
-        replica_id = self.replica_id
-
-        @app.get("/replica")
-        async def replica() -> JSONResponse:
-            """Which replica answered (id, process id): for operators and the fault tests."""
-            return JSONResponse({"replica": replica_id, "pid": os.getpid()})
-
-        self._app = app
-        return app
-
-    def check_health(self) -> None:
-        """Ray replaces a replica whose check raises (or that stops answering)."""
-        serving = getattr(getattr(self._app, "state", None), "serving", None)
-        if serving is None:
-            msg = f"replica {self.replica_id}: the model is not serving"
-            raise RuntimeError(msg)
-        scheduler = getattr(serving.service.decoder, "scheduler", None)
-        thread = getattr(scheduler, "_thread", None)
-        if thread is not None and not thread.is_alive():
-            msg = f"replica {self.replica_id}: the batching scheduler thread died"
-            raise RuntimeError(msg)
-
-
 def build_application(settings: ServerSettings, deployment: RayDeployment) -> Any:
-    """The Ray Serve application (a bound deployment) of ``deployment.replicas`` MTP replicas."""
+    """The Ray Serve application: the router (the HTTP ingress) bound to ``deployment.replicas`` MTP replicas."""
     from ray import serve
+
+    from agent_mtp.server.ray_app import MTPReplica, Router
 
     options: dict[str, Any] = {
         "name": DEPLOYMENT_NAME,
@@ -190,8 +159,15 @@ def build_application(settings: ServerSettings, deployment: RayDeployment) -> An
         options["autoscaling_config"] = autoscaling
     else:
         options["num_replicas"] = deployment.replicas
-    ingress_class = serve.ingress()(MTPReplica)
-    return serve.deployment(**options)(ingress_class).bind(settings)
+    replicas = serve.deployment(**options)(MTPReplica).bind(settings)
+    router_options: dict[str, Any] = {
+        "name": ROUTER_NAME,
+        "num_replicas": 1,
+        "max_ongoing_requests": deployment.router_max_ongoing_requests,
+        "graceful_shutdown_timeout_s": deployment.graceful_shutdown_timeout_s,
+        "ray_actor_options": {"num_cpus": 0},
+    }
+    return serve.deployment(**router_options)(serve.ingress()(Router)).bind(settings, replicas)
 
 
 def _replica_env(deployment: RayDeployment) -> dict[str, str]:

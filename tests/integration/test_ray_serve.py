@@ -1,10 +1,14 @@
-"""`agent-mtp serve --ray` with real processes: a local Ray cluster of 2 replicas of a tiny random model, a private
-redis-server for telemetry and the shared breakers.
+"""`agent-mtp serve --ray` with real processes: a local Ray cluster of 2 replicas of a tiny random model behind the
+router, a private redis-server for telemetry and the shared breakers.
 
-- both replicas answer the OpenAI routes behind Ray Serve's proxy, and each records under its replica id;
-- SIGKILL one replica under load: no request hangs, the failed ones get a retryable status (5xx or a dropped
-  connection, which the openai client retries), the other replica keeps serving, Ray starts a replacement, and the
-  fleet's counts in Redis lose nothing they had recorded;
+- both replicas answer the OpenAI routes through Ray Serve's proxy and the router, and each records under its
+  replica id;
+- a breaker tripped on one replica sends its step type to NTP on both (the state is in Redis), and a half-open
+  probe on either closes it for both;
+- SIGKILL one replica under load (plain and streaming clients): no request hangs, every failed one got the
+  retryable 503 (Retry-After, error code ``replica_unavailable``) or, mid-stream, that error as the stream's last
+  event; the other replica keeps serving, Ray starts a replacement, and the fleet's counts in Redis lose nothing
+  they had recorded;
 - stop Redis under load: serving continues (telemetry buffered, breakers on local state) and the buffered steps
   reach Redis when it returns.
 
@@ -13,6 +17,7 @@ Skipped (with the reason) when Ray is not installed: `pip install 'agent-mtp[ray
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -22,10 +27,14 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
+import yaml
 
+from agent_mtp.policy.loading import resolve_policy_path
+from agent_mtp.server.ray_app import REPLICA_HEADER
 from agent_mtp.telemetry import redis_store
 from agent_mtp.telemetry.config import replica_namespace
 from agent_mtp.telemetry.queries import query_stats
@@ -35,9 +44,49 @@ pytest.importorskip("ray.serve", reason="Ray Serve is not installed (pip install
 pytestmark = pytest.mark.redis
 
 NAMESPACE = "rayfleet"
-RETRYABLE = {500, 502, 503, 504}
-"""What the openai client retries (besides connection errors)."""
+RETRYABLE = ("503 replica_unavailable", "sse replica_unavailable")
+"""The two ways a request whose replica died may fail (the openai client retries the 503 by itself)."""
 BODY = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 12, "temperature": 0}
+BRITTLE = {**BODY, "agent_mtp": {"step_type": "brittle"}}
+"""A step type whose outputs always fail their monitor (JSON required, the tiny model writes noise)."""
+_SCHEMA = {
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}},
+    "required": ["ok"],
+    "additionalProperties": False,
+}
+PROBE = {
+    **BRITTLE,
+    "max_tokens": 32,
+    "response_format": {"type": "json_schema", "json_schema": {"name": "probe", "schema": _SCHEMA, "strict": True}},
+}
+"""The same step type under a JSON grammar: its output passes the monitor."""
+
+
+def fleet_policy(path: Path) -> Path:
+    """The default policy plus the step type ``brittle``: ConfAdapt, one attempt, a breaker that trips after 2
+    failed samples on a replica, stays open until the test ends its cooldown, and closes after 1 passing probe."""
+    policy = yaml.safe_load(resolve_policy_path("default").read_text())
+    policy["name"] = "fleet"
+    policy["steps"]["brittle"] = {
+        "mode": "confadapt",
+        "retries": {"attempts": 1},
+        "monitors": {
+            "validity": {"require_json": True},
+            "ntp_agreement": {"enabled": False},
+            "likelihood": {"enabled": False},
+        },
+        "fallback": {
+            "window": 2,
+            "min_samples": 2,
+            "margin": 0.5,
+            "cooldown_s": 3600,
+            "probe_rate": 1.0,
+            "probes_to_close": 1,
+        },
+    }
+    path.write_text(yaml.safe_dump(policy))
+    return path
 
 
 @dataclass
@@ -102,6 +151,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     }
     command = [sys.executable, "-m", "agent_mtp.cli", "serve", "--ray", "--replicas", "2", "--threads", "1"]
     command += ["--model", str(model_dir), "--served-model-name", "tiny", "--port", str(port), "--max-active", "4"]
+    command += ["--policy", str(fleet_policy(model_dir / "fleet-policy.yaml"))]
     with log.open("wb") as out:
         process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     fleet = Fleet(f"http://127.0.0.1:{port}", redis, process, log)
@@ -120,10 +170,14 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
 
 @dataclass
 class Load:
-    """Clients sending requests back to back (no retries) until stopped; every outcome is kept."""
+    """Clients sending requests back to back (no retries) until stopped, every ``stream_every``-th one streaming;
+    every outcome is kept."""
 
     base: str
     clients: int = 4
+    body: dict[str, Any] = field(default_factory=lambda: dict(BODY))
+    stream_every: int = 0
+    """0: no client streams; 2: every second client streams."""
     ok: int = 0
     failures: list[str] = field(default_factory=list)
     hung: int = 0
@@ -132,8 +186,9 @@ class Load:
     _threads: list[threading.Thread] = field(default_factory=list)
 
     def __enter__(self) -> Load:
-        for _ in range(self.clients):
-            thread = threading.Thread(target=self._client, daemon=True)
+        for i in range(self.clients):
+            stream = self.stream_every > 0 and i % self.stream_every == self.stream_every - 1
+            thread = threading.Thread(target=self._client, args=(stream,), daemon=True)
             thread.start()
             self._threads.append(thread)
         return self
@@ -144,12 +199,11 @@ class Load:
             thread.join(90)
         self.hung = sum(t.is_alive() for t in self._threads)
 
-    def _client(self) -> None:
+    def _client(self, stream: bool) -> None:
         with httpx.Client(timeout=60) as client:
             while not self._stop.is_set():
                 try:
-                    reply = client.post(f"{self.base}/v1/chat/completions", json=BODY)
-                    outcome = "ok" if reply.status_code == 200 else f"{reply.status_code} {reply.text[:200]}"
+                    outcome = _send(client, f"{self.base}/v1/chat/completions", {**self.body, "stream": stream})
                 except httpx.TimeoutException as e:
                     outcome = f"timeout {e!r}"
                 except httpx.TransportError as e:
@@ -161,9 +215,48 @@ class Load:
                         self.failures.append(outcome)
 
 
+def _send(client: httpx.Client, url: str, body: dict[str, Any]) -> str:
+    """ "ok", or how the request failed: "503 replica_unavailable" (with Retry-After and the OpenAI error body),
+    "sse replica_unavailable" (the error event ended the stream), or what else came back."""
+    with client.stream("POST", url, json=body) as reply:
+        if reply.status_code != 200:
+            reply.read()
+            return _refusal(reply)
+        if not body.get("stream"):
+            reply.read()
+            return "ok"
+        events = [line[len("data: ") :] for line in reply.iter_lines() if line.startswith("data: ")]
+    if events and events[-1] == "[DONE]":
+        return "ok"
+    errors = [i for i, e in enumerate(events) if e != "[DONE]" and "error" in json.loads(e)]
+    if errors == [len(events) - 1]:  # one error event, the last one
+        error = json.loads(events[-1])["error"]
+        if error.get("type") == "server_error" and "may be retried" in error.get("message", ""):
+            return f"sse {error.get('code')}"
+        return f"sse error {error}"
+    return f"stream cut after {len(events)} events: {events[-2:]}"
+
+
+def _refusal(reply: httpx.Response) -> str:
+    try:
+        error = reply.json()["error"]
+    except (ValueError, KeyError, TypeError):
+        return f"{reply.status_code} {reply.text[:200]}"
+    retry_after = reply.headers.get("retry-after", "")
+    if reply.status_code == 503 and retry_after.isdigit() and error.get("type") == "server_error":
+        return f"503 {error.get('code')}"
+    return f"{reply.status_code} retry-after={retry_after!r} {error}"
+
+
 def _retryable(outcome: str) -> bool:
-    head = outcome.split(" ", 1)[0]
-    return head == "connection" or (head.isdigit() and int(head) in RETRYABLE)
+    return outcome in RETRYABLE
+
+
+def _chat(fleet: Fleet, body: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """(the replica that answered, the response body) of one request."""
+    reply = httpx.post(f"{fleet.base}/v1/chat/completions", json=body, timeout=60)
+    assert reply.status_code == 200, reply.text
+    return reply.headers[REPLICA_HEADER], reply.json()
 
 
 def _settle(fleet: Fleet, seconds: float = 5.0) -> None:
@@ -188,10 +281,56 @@ def test_two_replicas_serve_the_openai_routes_and_record_apart(fleet: Fleet) -> 
     assert fleet.requests() >= load.ok + 1
 
 
+def test_a_breaker_tripped_on_one_replica_sends_the_step_type_to_ntp_on_all_and_a_probe_restores_it(
+    fleet: Fleet,
+) -> None:
+    import redis
+
+    replicas = fleet.replicas(2)
+    store = redis.Redis.from_url(fleet.redis.url)
+    tripped_by = None
+    for _ in range(20):  # every output fails its monitor: the replica that sees 2 failures trips the breaker
+        replica, body = _chat(fleet, BRITTLE)
+        if any(d.startswith("breaker opened") for d in body["agent_mtp"]["policy"]["decisions"]):
+            tripped_by = replica
+            break
+    assert tripped_by in replicas
+    open_keys = store.keys("agent_mtp:breaker:*:fleet:brittle:open")
+    assert len(open_keys) == 1  # the trip is in Redis, for the fleet
+
+    seen = _until_every_replica_answered(fleet, BRITTLE, replicas)
+    other = next(r for r in replicas if r != tripped_by)
+    assert seen[other] and all(s == ("open", "ntp") for states in seen.values() for s in states), seen
+
+    store.delete(open_keys[0])  # end the cooldown (the key's TTL) now: the breaker is half-open for the fleet
+    _, body = _chat(fleet, PROBE)  # probe_rate 1: a probe in ConfAdapt, whose JSON passes the monitor
+    policy = body["agent_mtp"]["policy"]
+    assert (policy["breaker"], policy["probe"], policy["mode"]) == ("half_open", True, "confadapt"), policy
+    assert "breaker closed: probes passed" in policy["decisions"]
+    assert not store.keys("agent_mtp:breaker:*:fleet:brittle:*")
+    seen = _until_every_replica_answered(fleet, PROBE, replicas)
+    assert all(s == ("closed", "confadapt") for states in seen.values() for s in states), seen
+
+
+def _until_every_replica_answered(
+    fleet: Fleet, body: dict[str, Any], replicas: dict[str, int], tries: int = 60
+) -> dict[str, list[tuple[str, str]]]:
+    """Replica -> (breaker state, mode) of each answer, sending ``body`` until every replica answered."""
+    seen: dict[str, list[tuple[str, str]]] = {}
+    for _ in range(tries):
+        replica, reply = _chat(fleet, body)
+        policy = reply["agent_mtp"]["policy"]
+        seen.setdefault(replica, []).append((policy["breaker"], policy["mode"]))
+        if set(replicas) <= set(seen):
+            return seen
+    raise AssertionError(f"not every replica answered in {tries} requests: {seen}")
+
+
 def test_a_replica_killed_under_load_fails_only_retryably_and_loses_no_recorded_count(fleet: Fleet) -> None:
     replicas = fleet.replicas(2)
     victim, victim_pid = sorted(replicas.items())[0]
-    with Load(fleet.base, clients=4) as load:
+    # longer requests, half of them streaming: the victim always has some in flight when it dies
+    with Load(fleet.base, clients=6, body={**BODY, "max_tokens": 48}, stream_every=2) as load:
         time.sleep(4)
         recorded_before = fleet.requests()
         os.kill(victim_pid, signal.SIGKILL)
@@ -200,12 +339,13 @@ def test_a_replica_killed_under_load_fails_only_retryably_and_loses_no_recorded_
         time.sleep(6)
         assert load.ok > ok_after_kill_start  # the other replica keeps serving
     assert load.hung == 0
-    assert all(_retryable(f) for f in load.failures), load.failures[:5]
+    assert load.failures, "the kill met no request in flight"
+    assert all(_retryable(f) for f in load.failures), load.failures[:5]  # the 503 or the stream's error event
     after = fleet.replicas(2)  # Ray replaced the dead replica
     assert victim not in after
     _settle(fleet)
     assert fleet.requests() >= recorded_before  # nothing the fleet had recorded is lost
-    print(f"replica kill: {load.ok} ok, {len(load.failures)} failed retryably: {sorted(set(load.failures))[:3]}")
+    print(f"replica kill: {load.ok} ok, {len(load.failures)} failed retryably: {sorted(set(load.failures))}")
 
 
 def test_serving_continues_while_redis_is_down_and_the_steps_arrive_when_it_returns(fleet: Fleet) -> None:
