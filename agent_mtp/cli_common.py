@@ -20,16 +20,20 @@ ThreadsOpt = Annotated[int | None, typer.Option(help="torch threads (default: to
 
 
 def set_threads(threads: int | None) -> None:
+    """torch threads for this command: here and on the thread that runs the engine's passes."""
     import torch
+
+    from agent_mtp.engine.threads import set_compute_threads
 
     if threads:
         torch.set_num_threads(threads)
+        set_compute_threads(threads)
 
 
 def threads_in_use() -> int:
-    import torch
+    from agent_mtp.engine.threads import compute_threads
 
-    return torch.get_num_threads()
+    return compute_threads()
 
 
 def load_engine(model: str, adapter: str | None, dtype: str, runtime: str = "auto") -> Any:

@@ -23,6 +23,7 @@ from agent_mtp.cli_common import (
     set_threads,
     threads_in_use,
 )
+from agent_mtp.engine.threads import compute
 from agent_mtp.plotting import plotting_available
 
 if TYPE_CHECKING:
@@ -252,11 +253,13 @@ def bench_curves(
     set_threads(threads)
     engine = load_engine(model, adapter, "float32")
     missing = unavailable_reason(model, gguf)
-    peer = LlamaCppPeer(gguf_for(model, gguf)) if missing is None else None
+    peer = compute().run(LlamaCppPeer, gguf_for(model, gguf)) if missing is None else None
     if missing is not None:
         console.print(f"[dim]llama.cpp curve skipped: {missing}[/dim]")
     with console.status("Timing passes ..."):
-        report = measure_curves(engine, context=context, rounds=rounds, llama_cpp=peer)
+        report = compute().run(
+            measure_curves, engine, context=context, rounds=rounds, llama_cpp=peer
+        )  # one OpenMP pool
     table = _table(f"ms per pass ({context}-token context, {report.threads} threads; x = relative to 1 token)",
                    ["runtime", *(f"{n} tok" for n in sorted(next(iter(report.ms.values()))))])  # fmt: skip
     for name, curve in report.ms.items():

@@ -29,6 +29,8 @@ from agent_mtp.bench.hf import BaselineModels, HFOutput, hf_generate
 from agent_mtp.bench.scoring import mean_nll, repetition_rate, score_item, token_agreement
 from agent_mtp.bench.suites import BenchPrompt, load_suite, prompt_grammar
 from agent_mtp.engine import DecodeConfig, MTPEngine
+from agent_mtp.engine.constraints import TokenConstraint
+from agent_mtp.engine.threads import compute, compute_threads
 from agent_mtp.errors import ConfigError
 
 __all__ = [
@@ -190,16 +192,13 @@ def run_once(
     a response schema and ``grammar`` is on)."""
     ids = engine.encode_prompt(prompt.prompt_messages())
     models = baselines if baselines is not None else BaselineModels(engine)
-    if variant.peer is not None:
-        return _peer_run(variant, prompt, models.llama_cpp().generate(ids, prompt.max_new_tokens, engine.eos_token_ids))
+    if variant.peer is not None:  # peers run on the engine's compute thread: one OpenMP pool (engine/threads.py)
+        out = compute().run(lambda: models.llama_cpp().generate(ids, prompt.max_new_tokens, engine.eos_token_ids))
+        return _peer_run(variant, prompt, out)
     compiled = prompt_grammar(engine, prompt) if grammar else None
     constraint = compiled.constraint() if compiled is not None else None
     if variant.config is None:
-        with models.use(variant.hf_dtype) as model:
-            out = hf_generate(
-                engine, model, ids, prompt.max_new_tokens, prompt_lookup=variant.prompt_lookup, constraint=constraint
-            )
-        return _peer_run(variant, prompt, out)
+        return _peer_run(variant, prompt, compute().run(_hf_run, engine, models, variant, prompt, ids, constraint))
     # every prompt prefilled in full, as HF generate does (agent-mtp bench-prefix measures the prefix cache)
     config = variant.config.replace(max_new_tokens=prompt.max_new_tokens, prefix_cache=False)
     runner_engine = models.engine(variant.runtime)
@@ -218,6 +217,20 @@ def run_once(
         prompt.score,
         jump_forward_tokens=s.jump_forward_tokens,
     )
+
+
+def _hf_run(
+    engine: MTPEngine,
+    models: BaselineModels,
+    variant: Variant,
+    prompt: BenchPrompt,
+    ids: list[int],
+    constraint: TokenConstraint | None,
+) -> HFOutput:
+    with models.use(variant.hf_dtype) as model:
+        return hf_generate(
+            engine, model, ids, prompt.max_new_tokens, prompt_lookup=variant.prompt_lookup, constraint=constraint
+        )
 
 
 def _peer_run(variant: Variant, prompt: BenchPrompt, out: HFOutput) -> Run:
@@ -502,7 +515,7 @@ def machine_info() -> dict[str, Any]:
     except OSError:
         pass
     return {
-        "torch_threads": torch.get_num_threads(),
+        "torch_threads": compute_threads(),
         "cpu_count": os.cpu_count(),
         "cpu": cpu,
         "load_avg_1m": _load_average(),

@@ -33,6 +33,7 @@ from agent_mtp.engine.cost import CostCurve
 from agent_mtp.engine.engine import MTPEngine, Prompt
 from agent_mtp.engine.fast import BatchItem, FastModel, FastRunner
 from agent_mtp.engine.results import GenerationResult, StreamChunk
+from agent_mtp.engine.threads import compute
 
 log = logging.getLogger("agent_mtp.engine.batching")
 
@@ -172,8 +173,8 @@ class BatchScheduler:
     def _run(self, batch: list[_Job]) -> None:
         started = time.perf_counter()
         try:
-            with torch.no_grad():
-                outputs = self.model.forward_batch([job.item for job in batch])
+            with torch.no_grad():  # on the process's compute thread (engine/threads.py)
+                outputs = compute().run(self.model.forward_batch, [job.item for job in batch])
         except BaseException as e:  # every caller gets the error; the scheduler keeps running
             for job in batch:
                 job.error = e

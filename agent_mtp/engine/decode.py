@@ -33,6 +33,7 @@ from agent_mtp.engine.planner import Planner
 from agent_mtp.engine.results import DecodeStats, FinishReason, StreamChunk
 from agent_mtp.engine.runner import Runner
 from agent_mtp.engine.text import TextTracker
+from agent_mtp.engine.threads import single_threaded
 
 
 @dataclass
@@ -97,16 +98,19 @@ def decode(
             stats.new_tokens, stats.wall_s = len(state.out), time.perf_counter() - start
             yield StreamChunk(text=tracker.finish(), token_ids=(), finish_reason="timeout", stats=stats)
             return
-        result = _one_pass(runner, state, cfg, setup, cfg.max_new_tokens - len(state.out), constraint, generator, stats)
-        if stats.forward_passes == 1:
-            stats.prefill_s = stats.ttft_s = time.perf_counter() - start
-        count = len(result.new_tokens)
-        stats.accept_histogram[count] = stats.accept_histogram.get(count, 0) + 1
-        kept, finish, text = _append(state, result.new_tokens, cfg, setup, tracker, constraint)
-        if finish is None and constraint is not None:
-            jumped, finish, jumped_text = _jump_forward(state, cfg, setup, tracker, constraint)
-            stats.jump_forward_tokens += len(jumped)
-            kept, text = kept + jumped, text + jumped_text
+        with single_threaded():  # the pass runs on the compute thread; sampling here (engine/threads.py)
+            result = _one_pass(
+                runner, state, cfg, setup, cfg.max_new_tokens - len(state.out), constraint, generator, stats
+            )
+            if stats.forward_passes == 1:
+                stats.prefill_s = stats.ttft_s = time.perf_counter() - start
+            count = len(result.new_tokens)
+            stats.accept_histogram[count] = stats.accept_histogram.get(count, 0) + 1
+            kept, finish, text = _append(state, result.new_tokens, cfg, setup, tracker, constraint)
+            if finish is None and constraint is not None:
+                jumped, finish, jumped_text = _jump_forward(state, cfg, setup, tracker, constraint)
+                stats.jump_forward_tokens += len(jumped)
+                kept, text = kept + jumped, text + jumped_text
         if finish is None and cfg.max_time is not None and time.perf_counter() - start >= cfg.max_time:
             finish = "timeout"
         if finish is not None:

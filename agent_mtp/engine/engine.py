@@ -15,7 +15,7 @@ import torch
 from agent_mtp.engine.adapter import MTPAdapter, load_adapter
 from agent_mtp.engine.config import DecodeConfig
 from agent_mtp.engine.constraints import TokenConstraint
-from agent_mtp.engine.cost import CostCurve, load_or_measure, measure_cost_curve
+from agent_mtp.engine.cost import CURVE_POINTS, CostCurve, load_or_measure, measure_cost_curve
 from agent_mtp.engine.decode import DecodeSetup, decode
 from agent_mtp.engine.fast import FastModel, FastRunner, unsupported_reason
 from agent_mtp.engine.fast.model import source_signature
@@ -26,6 +26,7 @@ from agent_mtp.engine.prompt import eos_token_ids, render_messages
 from agent_mtp.engine.results import GenerationResult, StreamChunk
 from agent_mtp.engine.runner import CachedRunner, PrefixRunner, ReferenceRunner, Runner
 from agent_mtp.engine.text import TextTracker
+from agent_mtp.engine.threads import compute, compute_threads
 from agent_mtp.errors import AdapterError, ConfigError, EmptyPromptError, PromptError, PromptTooLongError
 
 log = logging.getLogger("agent_mtp.engine")
@@ -36,6 +37,8 @@ DEFAULT_ADAPTER_DIR = SHIPPED_ADAPTERS / "smollm2-135m-instruct"
 COST_CURVE_ROUNDS = 9
 """Interleaved timing rounds of the cost curve (the fastest of each size is kept): with 5, one lucky one-token
 sample made the curve of an idle 2-core machine 1.35x at 2 tokens where 9 rounds measure 1.10x."""
+COST_CURVE_PREFIX = 256
+"""Cached context the cost curve's passes attend to (less on a model whose context window is smaller)."""
 Runtime = Literal["auto", "fast", "hf"]
 RUNTIMES: tuple[str, ...] = ("auto", "fast", "hf")
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -111,14 +114,23 @@ class MTPEngine:
         local model), a directory, or None for the bare model with an untrained mask token. ``runtime``: "auto",
         "fast" or "hf"; ``prefix_cache_mb``: the prefix cache's budget (see the class docstring)."""
         torch_dtype = _dtype(dtype)
-        loaded = load_model(
-            name_or_path, dtype=torch_dtype, mask_token=mask_token, revision=revision, local_files_only=local_files_only
+        loaded = compute().run(  # torch work of loading runs where the passes will (engine/threads.py)
+            load_model,
+            name_or_path,
+            dtype=torch_dtype,
+            mask_token=mask_token,
+            revision=revision,
+            local_files_only=local_files_only,
         )
         adapter_dir = _adapter_dir(name_or_path, adapter)
         mtp_adapter = None
         if adapter_dir is not None:
-            mtp_adapter = load_adapter(
-                loaded.model, adapter_dir, mask_token_id=loaded.mask_token_id, check_base=check_adapter_base
+            mtp_adapter = compute().run(
+                load_adapter,
+                loaded.model,
+                adapter_dir,
+                mask_token_id=loaded.mask_token_id,
+                check_base=check_adapter_base,
             )
             if mtp_adapter.config.mask_token != loaded.mask_token:
                 msg = (
@@ -221,8 +233,8 @@ class MTPEngine:
         started: float,
     ) -> Generator[StreamChunk, None, None]:
         reuse = cfg.prefix_cache and self.prefix_cache.budget_bytes > 0 and isinstance(runner, PrefixRunner)
-        if reuse:
-            self._restore_prefix(cast(PrefixRunner, runner), ids)
+        if reuse:  # the cache's copies run where the passes do (engine/threads.py)
+            compute().run(self._restore_prefix, cast(PrefixRunner, runner), ids)
         tracker = TextTracker(self.tokenizer, cfg.stop)
         finished = False
         try:
@@ -233,7 +245,7 @@ class MTPEngine:
             raise
         finally:
             if reuse and finished:
-                self._keep_prefix(cast(PrefixRunner, runner))
+                compute().run(self._keep_prefix, cast(PrefixRunner, runner))
 
     def _restore_prefix(self, runner: PrefixRunner, ids: list[int]) -> None:
         """Load the longest cached prefix of ``ids`` (all but the last token: its logits start decoding)."""
@@ -283,7 +295,7 @@ class MTPEngine:
         with self._lock:
             if self._fast is None or self._fast.signature != source_signature(self.model):
                 log.info("Preparing the fast runtime for %s", self.model_id)
-                self._fast = FastModel.from_hf(self.model, mask_token_id=self.mask_token_id)
+                self._fast = compute().run(FastModel.from_hf, self.model, mask_token_id=self.mask_token_id)
             return FastRunner(self._fast)
 
     def _fit_to_context(self, cfg: DecodeConfig, prompt_len: int) -> DecodeConfig:
@@ -305,16 +317,15 @@ class MTPEngine:
             return []
         ids = self._check_ids([*prompt_ids, *continuation_ids][:-1])
         with self._lock:
-            logits = (
-                self.model(
-                    input_ids=torch.tensor([ids], device=self.model.device), logits_to_keep=len(continuation_ids)
-                )
-                .logits[0]
-                .float()
-            )
+            return compute().run(self._score, ids, list(continuation_ids))
+
+    @torch.no_grad()
+    def _score(self, ids: list[int], continuation_ids: list[int]) -> list[float]:
+        tensor = torch.tensor([ids], device=self.model.device)
+        logits = self.model(input_ids=tensor, logits_to_keep=len(continuation_ids)).logits[0].float()
         logp = torch.log_softmax(logits, -1)
-        target = torch.tensor(list(continuation_ids), device=logp.device)
-        return logp.gather(-1, target[:, None]).squeeze(-1).tolist()
+        target = torch.tensor(continuation_ids, device=logp.device)
+        return logp.gather(-1, target[:, None]).squeeze(-1).tolist()  # type: ignore[no-any-return]
 
     # -- cost-aware k -----------------------------------------------------------------------------------------
     @property
@@ -332,7 +343,7 @@ class MTPEngine:
         device = str(self.model.device).replace(":", "")
         slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", self.model_id)
         dtype = str(self.model.dtype).replace("torch.", "")
-        name = f"{slug}-{device}-{dtype}-{self.runtime}-t{torch.get_num_threads()}.json"
+        name = f"{slug}-{device}-{dtype}-{self.runtime}-t{compute_threads()}.json"
         return cache_root() / "cost_curves" / name
 
     def measure_cost_curve(self) -> CostCurve:
@@ -342,7 +353,8 @@ class MTPEngine:
         :meth:`set_cost_curve`)."""
         log.info("Measuring the forward cost curve of %s", self.model_id)
         high = min(1000, self.mask_token_id)
-        prefix = [int(t) for t in torch.randint(3, high, (256,), generator=torch.Generator().manual_seed(0))]
+        length = max(min(COST_CURVE_PREFIX, self.context_window - max(CURVE_POINTS)), 1)  # small models fit too
+        prefix = [int(t) for t in torch.randint(3, high, (length,), generator=torch.Generator().manual_seed(0))]
         with self._lock:
             runner = self.new_runner()
             runner.forward(prefix, 1)

@@ -36,6 +36,7 @@ from typing import Any, Literal
 
 import torch
 
+from agent_mtp.engine.threads import single_threaded
 from agent_mtp.errors import GrammarError
 
 GrammarKind = Literal["json_schema", "json_object", "ebnf", "structural_tag"]
@@ -181,7 +182,8 @@ def _vocab(tokenizer: Any, vocab_size: int, stop_token_ids: Iterable[int]) -> _V
         vocab = _VOCABS.get(key)
         if vocab is not None and vocab.tokenizer is tokenizer:
             return vocab
-    vocab = _Vocab(tokenizer, int(vocab_size), stops)
+    with single_threaded():  # a one-off on a request thread: no OpenMP pool of its own (engine/threads.py)
+        vocab = _Vocab(tokenizer, int(vocab_size), stops)
     with _VOCABS_LOCK:
         _VOCABS[key] = vocab
     return vocab

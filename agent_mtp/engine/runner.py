@@ -7,6 +7,8 @@ from typing import Any, Protocol, cast, runtime_checkable
 
 import torch
 
+from agent_mtp.engine.threads import compute
+
 
 class Runner(Protocol):
     def forward(self, tokens: list[int], keep: int) -> torch.Tensor:
@@ -51,8 +53,11 @@ class CachedRunner:
     def length(self) -> int:
         return len(self.tokens)
 
-    @torch.no_grad()
     def forward(self, tokens: list[int], keep: int) -> torch.Tensor:
+        return compute().run(self._forward, tokens, keep)
+
+    @torch.no_grad()
+    def _forward(self, tokens: list[int], keep: int) -> torch.Tensor:
         ids = torch.tensor([tokens], dtype=torch.long, device=self.model.device)  # [1, n]
         out = self.model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=keep)
         self.tokens += tokens
@@ -64,14 +69,20 @@ class CachedRunner:
             del self.tokens[-num_tokens:]
 
     def export(self, start: int, end: int) -> torch.Tensor:
+        return compute().run(self._export, start, end)
+
+    def _export(self, start: int, end: int) -> torch.Tensor:
         layers = [
             (cast(Any, layer).keys[0, :, start:end], cast(Any, layer).values[0, :, start:end])
             for layer in self.cache.layers
         ]
         return torch.stack([torch.stack(kv) for kv in layers])  # [L, 2, kvh, n, d]
 
-    @torch.no_grad()
     def load(self, tokens: list[int], segments: Sequence[torch.Tensor]) -> None:
+        compute().run(self._load, tokens, segments)
+
+    @torch.no_grad()
+    def _load(self, tokens: list[int], segments: Sequence[torch.Tensor]) -> None:
         if self.tokens:
             raise ValueError("load() needs an empty runner.")
         kv = torch.cat(list(segments), dim=3).to(self.model.device)  # [L, 2, kvh, n, d]
@@ -93,9 +104,12 @@ class ReferenceRunner:
     def length(self) -> int:
         return len(self.tokens)
 
-    @torch.no_grad()
     def forward(self, tokens: list[int], keep: int) -> torch.Tensor:
         self.tokens += tokens
+        return compute().run(self._forward, keep)
+
+    @torch.no_grad()
+    def _forward(self, keep: int) -> torch.Tensor:
         ids = torch.tensor([self.tokens], dtype=torch.long, device=self.model.device)
         out = self.model(input_ids=ids, use_cache=False, logits_to_keep=keep)
         return out.logits[0].float()

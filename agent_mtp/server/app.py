@@ -36,7 +36,10 @@ def build_service(settings: ServerSettings) -> Service:
     if settings.threads is not None:
         import torch
 
+        from agent_mtp.engine.threads import set_compute_threads
+
         torch.set_num_threads(settings.threads)
+        set_compute_threads(settings.threads)  # the passes run on the engine's compute thread
     engine = shared_engine(settings.model, adapter=settings.adapter, dtype=settings.dtype)
     if settings.runtime != "auto":
         engine = engine.with_runtime(settings.runtime)

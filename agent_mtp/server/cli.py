@@ -143,7 +143,16 @@ def loadtest(
         "ntp,verified,confadapt"
     ),
     suite: Annotated[str, typer.Option(help="Bench suite of prompts.")] = "agent",
-    requests_per_client: Annotated[int, typer.Option(help="Requests each client sends per cell.")] = 3,
+    requests_per_client: Annotated[
+        int, typer.Option(help="Requests each client sends per cell (with --duration 0).")
+    ] = 3,
+    duration: Annotated[
+        float,
+        typer.Option(
+            help="Seconds each cell runs at its concurrency (tokens streamed inside the window count); "
+            "0: a fixed number of requests per client instead."
+        ),
+    ] = 30.0,
     max_tokens: Annotated[int | None, typer.Option(help="Cap on each prompt's own max_tokens.")] = None,
     threads: Annotated[int | None, typer.Option(help="torch threads of the server started here.")] = None,
     out_dir: Annotated[Path, typer.Option("--out", help="Directory for JSON, Markdown and PNG.")] = Path(
@@ -160,5 +169,8 @@ def loadtest(
         suite=suite,
         requests_per_client=requests_per_client,
         max_tokens=max_tokens,
+        duration_s=duration if duration > 0 else None,
     )
+    if duration < 0:
+        raise typer.BadParameter(f"--duration {duration} is invalid; use seconds > 0, or 0 for a request count.")
     run_loadtest(config, base_url=base_url, threads=threads, out_dir=out_dir)

@@ -52,6 +52,11 @@ class LoadtestConfig:
     max_tokens: int | None = None
     """Cap on each prompt's own token budget (None: the suite's budgets, so tool calls are never cut off)."""
     timeout_s: float = 300.0
+    duration_s: float | None = None
+    """Steady state: every client sends requests back to back for this long, and tokens/s counts the tokens
+    streamed inside the window (a request still running at its end finishes, its later tokens are not counted).
+    None: each client sends ``requests_per_client`` requests and the cell lasts until the last one ends (the
+    tail then runs with fewer clients than the cell's level)."""
 
 
 @dataclass
@@ -67,6 +72,15 @@ class RequestRecord:
     """For prompts that must call a tool and finished within their token budget: did the streamed call parse
     (name known, JSON-object arguments). A call cut off by max_tokens is counted in ``tool_calls_cut_off``."""
     tool_call_cut_off: bool = False
+    chunk_times: list[float] = field(default_factory=list)
+    """``time.perf_counter()`` of every streamed chunk that carried content or a tool call (one per pass)."""
+
+    def tokens_before(self, deadline: float) -> float:
+        """This request's tokens streamed before ``deadline`` (its total spread evenly over its chunks)."""
+        if not self.chunk_times:
+            return float(self.tokens)
+        inside = sum(1 for t in self.chunk_times if t <= deadline)
+        return self.tokens * inside / len(self.chunk_times)
 
 
 @dataclass
@@ -75,13 +89,18 @@ class Cell:
     clients: int
     wall_s: float
     records: list[RequestRecord] = field(default_factory=list)
+    window_end: float | None = None
+    """Steady-state cells: the ``perf_counter`` at which the window closed (tokens after it are not counted)."""
 
     def summary(self) -> dict[str, Any]:
         ok = [r for r in self.records if r.error is None]
         latencies = sorted(r.latency_s for r in ok)
         ttfts = sorted(r.ttft_s for r in ok if r.ttft_s is not None)
         tools = [r.tool_call_ok for r in self.records if r.tool_call_ok is not None]
-        tokens = sum(r.tokens for r in ok)
+        if self.window_end is None:
+            tokens = sum(r.tokens for r in ok)
+        else:
+            tokens = round(sum(r.tokens_before(self.window_end) for r in ok))
         return {
             "policy": self.policy,
             "clients": self.clients,
@@ -174,8 +193,11 @@ def _read_chunk(chunk: dict[str, Any], record: RequestRecord, calls: dict[int, d
         delta = choice.get("delta") or {}
         if choice.get("finish_reason"):
             record.finish_reason = choice["finish_reason"]
-        if record.ttft_s is None and (delta.get("content") or delta.get("tool_calls")):
-            record.ttft_s = time.perf_counter() - started
+        if delta.get("content") or delta.get("tool_calls"):
+            now = time.perf_counter()
+            record.chunk_times.append(now)
+            if record.ttft_s is None:
+                record.ttft_s = now - started
         for call in delta.get("tool_calls") or []:
             entry = calls.setdefault(int(call["index"]), {"name": "", "arguments": ""})
             entry["name"] += call.get("function", {}).get("name") or ""
@@ -203,18 +225,21 @@ async def run_cell(
     url = f"{base_url}/chat/completions"
     limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
     async with httpx.AsyncClient(timeout=config.timeout_s, limits=limits) as http:
+        started = time.perf_counter()
+        window_end = started + config.duration_s if config.duration_s else None
 
         async def client(index: int) -> list[RequestRecord]:
             records = []
-            for j in range(per_client):
+            j = 0
+            while (j < per_client) if window_end is None else (time.perf_counter() < window_end):
                 prompt = prompts[(index * per_client + j) % len(prompts)]
                 records.append(await one_request(http, url, prompt, variant, config.max_tokens))
+                j += 1
             return records
 
-        started = time.perf_counter()
         results = await asyncio.gather(*(client(i) for i in range(clients)))
-        wall = time.perf_counter() - started
-    return Cell(variant, clients, wall, [r for rs in results for r in rs])
+        wall = time.perf_counter() - started if window_end is None else config.duration_s
+    return Cell(variant, clients, float(wall or 0.0), [r for rs in results for r in rs], window_end)
 
 
 def run_cells(base_url: str, config: LoadtestConfig) -> list[Cell]:

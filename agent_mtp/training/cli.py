@@ -142,9 +142,11 @@ def _distill(**o: Any) -> None:
     import torch
 
     from agent_mtp.engine.loading import load_model
+    from agent_mtp.engine.threads import use_caller_thread
     from agent_mtp.training.data import build_prompts, generate_responses
     from agent_mtp.training.trainer import Trainer, check_resume_base, load_data
 
+    use_caller_thread()  # training and its evaluations share one thread's OpenMP pool (engine/threads.py)
     if o["threads"]:
         torch.set_num_threads(int(o["threads"]))
     if o["real_pass_cache"] not in ("auto", "on", "off"):
@@ -325,9 +327,11 @@ def _speed(
 
     from agent_mtp.engine.adapter import new_adapter
     from agent_mtp.engine.engine import MTPEngine
+    from agent_mtp.engine.threads import use_caller_thread
     from agent_mtp.training.speed import measure_speed, parse_variant
     from agent_mtp.training.trainer import load_data
 
+    use_caller_thread()  # training steps and engine passes are timed on one thread (engine/threads.py)
     if threads:
         torch.set_num_threads(threads)
     parsed = [parse_variant(v) for v in variants]

@@ -8,6 +8,7 @@ import torch
 
 from agent_mtp.engine.fast.cache import KVCache
 from agent_mtp.engine.fast.model import FastModel
+from agent_mtp.engine.threads import compute
 
 
 class FastRunner:
@@ -24,7 +25,7 @@ class FastRunner:
         return self.cache.length
 
     def forward(self, tokens: list[int], keep: int) -> torch.Tensor:
-        logits = self.model.forward(tokens, self.cache, keep)  # [keep, V]
+        logits = compute().run(self.model.forward, tokens, self.cache, keep)  # [keep, V]
         self.tokens += tokens
         return logits
 
@@ -35,10 +36,13 @@ class FastRunner:
 
     def export(self, start: int, end: int) -> torch.Tensor:
         """Keys and values of positions [start, end): [layers, 2, kv_heads, end - start, head_dim] (a copy)."""
-        return torch.stack([layer[:, :, start:end] for layer in self.cache.layers])
+        return compute().run(_stack, [layer[:, :, start:end] for layer in self.cache.layers])
 
     def load(self, tokens: list[int], segments: Sequence[torch.Tensor]) -> None:
         """Start from a cached prefix: ``segments`` (payloads of :meth:`export`, in order) hold ``tokens``' KV."""
+        compute().run(self._load, tokens, segments)
+
+    def _load(self, tokens: list[int], segments: Sequence[torch.Tensor]) -> None:
         if self.cache.length:
             raise ValueError("load() needs an empty runner.")
         self.cache.reserve(len(tokens))
@@ -52,3 +56,7 @@ class FastRunner:
             raise ValueError(f"Cached segments hold {pos} positions for {len(tokens)} tokens.")
         self.cache.length = pos
         self.tokens = list(tokens)
+
+
+def _stack(parts: list[torch.Tensor]) -> torch.Tensor:
+    return torch.stack(parts)

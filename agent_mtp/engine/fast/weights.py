@@ -28,6 +28,15 @@ def _can_prepack(weight: torch.Tensor) -> bool:
     )
 
 
+def _prepacked(dense: torch.Tensor) -> torch.Tensor | None:
+    """``dense`` laid out for oneDNN, or None where this CPU's oneDNN cannot pack it (bf16 needs AVX-512 BF16
+    or AVX-NE-CONVERT; an AVX2-only CPU runs bf16 weights through ``F.linear``)."""
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(dense, PACK_BATCH_HINT)  # type: ignore[no-any-return]
+    except RuntimeError:
+        return None
+
+
 class PackedLinear:
     """``y = x W^T + b`` with ``W`` pre-packed for oneDNN once (plain ``F.linear`` where oneDNN cannot run).
 
@@ -38,9 +47,10 @@ class PackedLinear:
         self.out_features, self.in_features = int(weight.shape[0]), int(weight.shape[1])
         self.dtype = weight.dtype
         self.bias = bias.detach().float().contiguous() if bias is not None else None
-        self.packed = prepack and _can_prepack(weight)
         dense = weight.detach().contiguous()
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(dense, PACK_BATCH_HINT) if self.packed else dense
+        packed = _prepacked(dense) if prepack and _can_prepack(weight) else None
+        self.packed = packed is not None
+        self.weight = packed if packed is not None else dense
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [n, in] (float32) -> [n, out] (float32)."""
