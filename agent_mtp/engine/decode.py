@@ -336,5 +336,5 @@ def _jump_forward(
         return [], None, ""
     kept, finish, delta = _append(state, taken, cfg, setup, tracker, constraint)
     state.pending += kept
-    state.mtp.offer([], [])
+    state.mtp.advance(kept)  # the masks' block stays a draft past the forced tokens it predicted
     return kept, finish, delta

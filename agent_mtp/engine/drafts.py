@@ -7,6 +7,7 @@ pass, and reports back how many tokens of it were accepted (``update``), so sour
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -100,14 +101,21 @@ class MTPDraftSource:
 
     def offer(self, tokens: list[int], confidences: list[float]) -> None:
         """Store the block the masks just predicted; it is only valid right after the pass that made it."""
-        if not tokens:
+        self.pending = (
+            Draft(tuple(tokens), self.name, _chain_score(confidences), tuple(confidences)) if tokens else None
+        )
+
+    def advance(self, tokens: list[int]) -> None:
+        """``tokens`` joined the sequence without a pass (the grammar forced them): the pending block stays valid
+        past them if it predicted them (its rest is the next draft), else it is dropped."""
+        draft, n = self.pending, len(tokens)
+        if draft is None or n == 0:
+            return
+        if len(draft.tokens) <= n or list(draft.tokens[:n]) != tokens:
             self.pending = None
             return
-        score, run = 0.0, 1.0
-        for c in confidences:
-            run *= c
-            score += run
-        self.pending = Draft(tuple(tokens), self.name, score, tuple(confidences))
+        confidences = draft.confidences[n:]
+        self.pending = Draft(draft.tokens[n:], self.name, _chain_score(confidences), confidences)
 
     def propose(self, context: list[int], max_len: int) -> Draft | None:
         draft, self.pending = self.pending, None
@@ -119,6 +127,16 @@ class MTPDraftSource:
 
     def update(self, draft: Draft, accepted: int) -> None:
         return None
+
+
+def _chain_score(confidences: Sequence[float]) -> float:
+    """Expected accepted tokens of a block whose token i is right with probability ``confidences[i]`` given the
+    ones before it."""
+    score, run = 0.0, 1.0
+    for c in confidences:
+        run *= c
+        score += run
+    return score
 
 
 def choose_draft(candidates: list[Draft | None]) -> Draft | None:

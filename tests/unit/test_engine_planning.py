@@ -105,3 +105,20 @@ def test_cost_curve_measurement_ignores_contention_spikes():
     assert all(costs[n] <= n for n in costs)  # never superlinear
     assert costs[8] < 3.0  # the stalls did not leak into the curve
     assert costs[2] <= costs[4] <= costs[8]
+
+
+def test_mtp_block_survives_the_grammar_forced_tokens_it_predicted() -> None:
+    from agent_mtp.engine.drafts import MTPDraftSource
+
+    source = MTPDraftSource()
+    source.offer([5, 6, 7, 8], [0.9, 0.8, 0.7, 0.6])
+    source.advance([5, 6])  # the grammar forced what the masks predicted: the rest is the next draft
+    draft = source.propose([], 10)
+    assert draft is not None and draft.tokens == (7, 8) and draft.confidences == (0.7, 0.6)
+    assert abs(draft.score - (0.7 + 0.7 * 0.6)) < 1e-9
+    source.offer([5, 6, 7], [0.9, 0.8, 0.7])
+    source.advance([5, 9])  # forced something else: the block no longer follows the sequence
+    assert source.propose([], 10) is None
+    source.offer([5, 6], [0.9, 0.8])
+    source.advance([5, 6])  # nothing left past the forced tokens
+    assert source.propose([], 10) is None
