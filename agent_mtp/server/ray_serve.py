@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -200,4 +201,19 @@ def run_ray(settings: ServerSettings, deployment: RayDeployment, *, blocking: bo
         deployment.http_host,
         deployment.http_port,
     )
-    serve.run(build_application(fleet, deployment), name=DEPLOYMENT_NAME, route_prefix="/", blocking=blocking)
+    if not blocking:
+        serve.run(build_application(fleet, deployment), name=DEPLOYMENT_NAME, route_prefix="/", blocking=False)
+        return
+    # Ray's driver turns SIGTERM (a service manager's stop, `docker stop`) into a logged abort; make it the
+    # graceful path Ctrl-C takes: replicas get their shutdown grace, then the cluster this process started stops
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        serve.run(build_application(fleet, deployment), name=DEPLOYMENT_NAME, route_prefix="/", blocking=True)
+    except KeyboardInterrupt:
+        log.info("Shutting down the Ray Serve application")
+        serve.shutdown()
+        ray.shutdown()
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt

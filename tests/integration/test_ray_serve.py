@@ -159,13 +159,16 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         fleet.replicas(2)
         yield fleet
     finally:
-        process.send_signal(signal.SIGINT)  # serve.run shuts the application and the local cluster down
+        process.send_signal(signal.SIGTERM)  # as a service manager stops it: the graceful path, exit status 0
         try:
-            process.wait(60)
+            code = process.wait(60)
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait(10)
-        next(redis_gen, None)
+            raise
+        finally:
+            next(redis_gen, None)
+        assert code == 0, f"agent-mtp serve --ray exited with {code} on SIGTERM; see {log}"
 
 
 @dataclass
