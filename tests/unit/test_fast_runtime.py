@@ -266,3 +266,23 @@ def test_bfloat16_weights_track_the_rounded_fp32_model() -> None:
     expected = reference.forward(tokens, 3)
     assert got.dtype == torch.float32
     assert (got - expected).abs().max() < 0.05 * expected.abs().max()
+
+
+def test_weights_oneDNN_cannot_pack_run_unpacked_with_a_warning(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """bf16 packing needs AVX-512 BF16 or AVX-NE-CONVERT: elsewhere oneDNN raises, and the weights run unpacked."""
+    from agent_mtp.engine.fast import weights
+
+    def refuse(weight: torch.Tensor, hint: int) -> torch.Tensor:
+        raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx_ne_convert")
+
+    monkeypatch.setattr(weights, "_reorder", refuse)
+    weights._warn_unpacked.cache_clear()
+    w = torch.randn(8, 4)
+    with caplog.at_level("WARNING", logger="agent_mtp.engine.fast"):
+        linear = weights.PackedLinear(w)
+    assert not linear.packed
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(linear(x), x @ w.T)
+    assert "cannot pre-pack torch.float32 weights" in caplog.text and "avx_ne_convert" in caplog.text

@@ -6,10 +6,14 @@ On a CPU a plain ``F.linear`` over 2-16 rows costs 2-3x one row; the same weight
 
 from __future__ import annotations
 
+import functools
+import logging
 from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
+
+log = logging.getLogger("agent_mtp.engine.fast")
 
 PACK_BATCH_HINT = 8
 """Rows oneDNN lays the packed weights out for: measured here, packing for 8 rows is as fast as the default at 1-4
@@ -28,13 +32,28 @@ def _can_prepack(weight: torch.Tensor) -> bool:
     )
 
 
+def _reorder(dense: torch.Tensor, hint: int) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(dense, hint)  # type: ignore[no-any-return]
+
+
 def _prepacked(dense: torch.Tensor) -> torch.Tensor | None:
     """``dense`` laid out for oneDNN, or None where this CPU's oneDNN cannot pack it (bf16 needs AVX-512 BF16
     or AVX-NE-CONVERT; an AVX2-only CPU runs bf16 weights through ``F.linear``)."""
     try:
-        return torch.ops.mkldnn._reorder_linear_weight(dense, PACK_BATCH_HINT)  # type: ignore[no-any-return]
-    except RuntimeError:
+        return _reorder(dense, PACK_BATCH_HINT)
+    except RuntimeError as e:
+        _warn_unpacked(str(dense.dtype), str(e).splitlines()[0])
         return None
+
+
+@functools.cache
+def _warn_unpacked(dtype: str, reason: str) -> None:
+    log.warning(
+        "oneDNN cannot pre-pack %s weights on this CPU (%s): they run through F.linear, which is slower than "
+        "packed float32 here; use dtype float32.",
+        dtype,
+        reason,
+    )
 
 
 class PackedLinear:
