@@ -30,7 +30,11 @@ def test_run_returns_raises_and_keeps_grad_mode() -> None:
         worker.stop()
 
 
-def test_single_threaded_restores_the_thread_count() -> None:
+def test_single_threaded_restores_the_thread_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    from agent_mtp.engine import threads
+
+    worker = ComputeThread(1)  # engine work on a compute thread (an earlier test may have chosen the caller's)
+    monkeypatch.setattr(threads, "_compute", worker)
     seen: dict[str, int] = {}
 
     def body() -> None:
@@ -42,6 +46,7 @@ def test_single_threaded_restores_the_thread_count() -> None:
     thread = threading.Thread(target=body)
     thread.start()
     thread.join()
+    worker.stop()
     assert seen == {"inside": 1, "after": 2}
 
 
