@@ -43,6 +43,9 @@ DEFAULT_WINDOW_S = 0.002
 
 STRAGGLER_SHARE = 0.15
 """A pass waits for missing sequences up to this share of the last pass's time (at least ``window_s``)."""
+REFIT_EVERY = 16
+"""The pass-time curve is refitted to the measured table at most once per this many passes (one fit serves every
+sequence; fitting holds the GIL that the sequences between passes need)."""
 MEASURED_ROWS = 256
 """Pass times are measured by total rows up to this many (every decode pass; longer ones are prefills). A pass the
 planner chose must be measurable, or a fit that underrates rows could never learn better."""
@@ -96,6 +99,7 @@ class BatchScheduler:
         self._last_pass_s = 0.0
         self.pass_times: tuple[PassTime | None, ...] = (None,) * (MEASURED_ROWS + 1)
         """Measured wall time of a pass by its total rows (EWMA; replaced, never mutated: read without a lock)."""
+        self._fitted: tuple[CostCurve, int, list[float]] | None = None
         self._thread = threading.Thread(target=self._loop, name="agent-mtp-batch", daemon=True)
         self._thread.start()
 
@@ -115,6 +119,15 @@ class BatchScheduler:
         with self._cond:
             others = [r for r in self._active if r is not runner]
             return len(others), sum(max(self._last_rows.get(r, 1), 1) for r in others)
+
+    def pass_time_curve(self, base: CostCurve) -> Sequence[float]:
+        """:func:`pass_time_curve` of the measured passes, refitted every :data:`REFIT_EVERY` passes (lock-free: a
+        stale fit for a pass or two is harmless)."""
+        fitted = self._fitted
+        if fitted is None or fitted[0] is not base or self._passes - fitted[1] >= REFIT_EVERY:
+            fitted = (base, self._passes, pass_time_curve(base, self.pass_times))
+            self._fitted = fitted
+        return fitted[2]
 
     def stats(self) -> PassStats:
         with self._cond:
@@ -242,46 +255,56 @@ class SharedPassCurve(CostCurve):
     With ``B`` sequences in the pass (this one included) whose others feed ``R`` rows, going from one row to n
     lengthens the pass by ``T(R + n) - T(R + 1)`` for all ``B`` of them, so this sequence's n-row pass costs
     ``1 + B * (T(R + n) - T(R + 1)) / T(R + 1)``: maximising tokens per unit of this cost is maximising the
-    aggregate tokens per second. ``T`` is a line fitted to the pass times the scheduler measures by total rows
-    (:func:`pass_time_curve`). Alone (B = 1) it is the base curve.
+    aggregate tokens per second. ``T`` is fitted to the pass times the scheduler measures by total rows (a line,
+    or two once the measurements show the knee: :func:`pass_time_curve`). Alone (B = 1) it is the base curve.
     """
 
     _base: CostCurve
     _runner: BatchingRunner
-    _cache: list[Any]
 
     def __init__(self, base: CostCurve, runner: BatchingRunner) -> None:
         object.__setattr__(self, "points", base.points)
         object.__setattr__(self, "_base", base)
         object.__setattr__(self, "_runner", runner)
-        object.__setattr__(self, "_cache", [None, ()])
 
     def cost(self, n: int) -> float:
         others, rows = self._runner.shared_load
         if others == 0:
             return self._base.cost(n)
-        return shared_pass_cost(self._times(), n, others=others, other_rows=rows)
-
-    def _times(self) -> Sequence[float]:
-        table = self._runner.scheduler.pass_times
-        if self._cache[0] is not table:  # recomputed once per pass at most
-            self._cache[:] = [table, pass_time_curve(self._base, table)]
-        return self._cache[1]  # type: ignore[no-any-return]
+        times = self._runner.scheduler.pass_time_curve(self._base)
+        return shared_pass_cost(times, n, others=others, other_rows=rows)
 
 
 def pass_time_curve(base: CostCurve, table: Sequence[PassTime | None], *, min_count: int = 2) -> list[float]:
-    """Relative pass time by total rows 0..len(table)-1 (index 0 unused): ``a + b * rows`` fitted to the measured
-    passes (weighted least squares; a straight line whose slope is at least the base curve's, so noise never makes
-    extra rows look free), or the base curve until two row counts have been measured ``min_count`` times."""
+    """Relative pass time by total rows 0..len(table)-1 (index 0 unused), fitted to the measured passes: a
+    continuous two-segment line (weighted least squares over the knee) when the table shows where passes turn from
+    reading weights to computing, else a straight line; every slope at least the base curve's, so noise never makes
+    extra rows look free. The base curve until two row counts have been measured ``min_count`` times.
+
+    One straight line through all row counts underrates what a row costs past the knee (measured on 2 cores: passes
+    of 1-8 rows cost about the same, each row beyond adds ~2.5 ms; a line through 1-24 rows said ~1.8 ms), and a
+    planner that underrates rows feeds drafts that cost the batch more than they give."""
     points = [(r, t.seconds, min(t.count, 20)) for r, t in enumerate(table) if t is not None and t.count >= min_count]
-    fit = _line([(r, t, w) for r, t, w in points if r])
+    points = [p for p in points if p[0]]
+    fit = _hinge(points) or _as_hinge(_line(points))
     if fit is None:
         return [0.0, *(base.cost(r) for r in range(1, len(table)))]
-    a, b = fit
+    a, b, c, knee = fit
     # a row in a batch costs at least what it costs one sequence alone (the base curve's slope): noisy timings
     # on a starved CPU must never make rows look nearly free
-    b = max(b, a * (base.cost(16) - base.cost(1)) / 15)
-    return [0.0, *(a + b * r for r in range(1, len(table)))]
+    floor = a * (base.cost(16) - base.cost(1)) / 15
+    steep = max(b + c, floor)
+    b = max(b, floor)
+    c = steep - b
+    return [0.0, *(a + b * r + c * max(r - knee, 0) for r in range(1, len(table)))]
+
+
+Fit = tuple[float, float, float, int]
+"""(a, b, c, knee): t = a + b r + c max(r - knee, 0)."""
+
+
+def _as_hinge(line: tuple[float, float] | None) -> Fit | None:
+    return None if line is None else (line[0], line[1], 0.0, 0)
 
 
 def _line(points: Sequence[tuple[int, float, int]]) -> tuple[float, float] | None:
@@ -297,6 +320,46 @@ def _line(points: Sequence[tuple[int, float, int]]) -> tuple[float, float] | Non
     b = max(b, floor)
     a = max(mean_t - b * mean_r, floor)
     return a, b
+
+
+def _hinge(points: Sequence[tuple[int, float, int]]) -> Fit | None:
+    """The best continuous two-segment line over every knee with two measured row counts on each side whose
+    second slope is steeper than the first (a convex curve: rows never get cheaper past the knee); None when no
+    knee qualifies or it fits no better than a straight line would."""
+    rows = sorted({r for r, _, _ in points})
+    best: tuple[float, Fit] | None = None
+    for knee in rows[1:-2]:
+        solved = _weighted_lstsq([(1.0, float(r), float(max(r - knee, 0)), t, w) for r, t, w in points])
+        if solved is None:
+            continue
+        a, b, c = solved
+        if a <= 0 or b < 0 or c <= 0:
+            continue
+        sse = sum(w * (a + b * r + c * max(r - knee, 0) - t) ** 2 for r, t, w in points)
+        if best is None or sse < best[0]:
+            best = (sse, (a, b, c, knee))
+    return best[1] if best is not None else None
+
+
+def _weighted_lstsq(rows: Sequence[tuple[float, float, float, float, int]]) -> tuple[float, float, float] | None:
+    """Solve min sum w (x . beta - t)^2 for three coefficients (normal equations, Gaussian elimination)."""
+    m = [[0.0] * 4 for _ in range(3)]
+    for x0, x1, x2, t, w in rows:
+        x = (x0, x1, x2)
+        for i in range(3):
+            for j in range(3):
+                m[i][j] += w * x[i] * x[j]
+            m[i][3] += w * x[i] * t
+    for col in range(3):
+        pivot = max(range(col, 3), key=lambda i: abs(m[i][col]))
+        if abs(m[pivot][col]) < 1e-12:
+            return None
+        m[col], m[pivot] = m[pivot], m[col]
+        for i in range(3):
+            if i != col:
+                f = m[i][col] / m[col][col]
+                m[i] = [v - f * u for v, u in zip(m[i], m[col], strict=True)]
+    return m[0][3] / m[0][0], m[1][3] / m[1][1], m[2][3] / m[2][2]
 
 
 def shared_pass_cost(times: Sequence[float], n: int, *, others: int, other_rows: int) -> float:

@@ -26,7 +26,7 @@ from agent_mtp.engine.drafts import Draft, choose_draft
 
 FUTURE_CREDIT = 0.5
 """Masks pay off one pass later (as the next draft), and that verification costs time then: count half."""
-EXPLORE_OVERHEAD = 0.1
+EXPLORE_OVERHEAD = 0.03
 """Exploring verified passes add at most this share to the average pass's cost (alone on a CPU: every mask; in a
 pass shared with other sequences, where rows are dear, fewer)."""
 AUTO_K_CAP = 16
@@ -167,12 +167,22 @@ class Planner:
                     best = (score, option, masks)
         _, draft, masks = best
         if self.explore_every and self._passes % self.explore_every == 0 and masks == 0:
-            fed = pending + (len(draft.tokens) if draft else 0)
-            masks = max(min(self.k_cap - 1, room - (fed - pending)), 0)
-            budget = (1 + EXPLORE_OVERHEAD * self.explore_every) * self.curve.cost(fed)
-            while masks > 1 and self.curve.cost(fed + masks) > budget:
-                masks -= 1
+            masks = self._explore_masks(pending, len(draft.tokens) if draft else 0, room)
         return Plan(draft, masks)
+
+    def _explore_masks(self, pending: int, length: int, room: int) -> int:
+        """Masks an exploring pass adds to a draft of ``length``: as many as fit in the exploration allowance,
+        which is measured against the plain pass (``pending`` tokens), so that exploring costs at most
+        EXPLORE_OVERHEAD on average however long the draft is, and fewer masks when rows are dear (a pass shared
+        with other sequences)."""
+        assert self.curve is not None
+        fed = pending + length
+        allowance = EXPLORE_OVERHEAD * self.explore_every * self.curve.cost(pending)
+        most = max(min(self.k_cap - 1, room - length), 0)
+        masks = 0
+        while masks < most and self.curve.cost(fed + masks + 1) - self.curve.cost(fed) <= allowance:
+            masks += 1
+        return masks
 
 
 def needs_cost_curve(cfg: DecodeConfig) -> bool:

@@ -135,3 +135,37 @@ def test_service_in_batched_mode_equals_serial(engine: MTPEngine) -> None:
     finally:
         service.close()
     assert got == expected
+
+
+def test_pass_times_with_a_knee_are_fitted_in_two_segments() -> None:
+    """Memory-bound passes (1-8 rows cost about the same) then compute-bound ones (each row adds 2.5 ms): the
+    marginal cost past the knee is what the fit must give, not a line's average through every row count."""
+    table: list[PassTime | None] = [None] * 65
+    for rows in range(1, 25):
+        table[rows] = PassTime(0.040 + 0.0005 * rows + 0.0025 * max(rows - 8, 0), 10)
+    flat = CostCurve(((1, 1.0), (16, 1.1)))  # alone, rows are nearly free: the floor does not bind
+    times = pass_time_curve(flat, table)
+    assert (times[20] - times[12]) / 8 == pytest.approx(0.003, rel=0.02)  # seconds per row past the knee
+    assert (times[6] - times[2]) / 4 == pytest.approx(0.0005, rel=0.05)
+    straight: list[PassTime | None] = [None] * 65
+    for rows in range(1, 25):
+        straight[rows] = PassTime(0.040 + 0.001 * rows, 10)
+    line = pass_time_curve(flat, straight)
+    assert (line[20] - line[12]) / 8 == pytest.approx(0.001, rel=0.02)
+    assert (line[6] - line[2]) / 4 == pytest.approx(0.001, rel=0.02)
+
+
+def test_the_scheduler_refits_pass_times_once_per_refit_period(engine: MTPEngine) -> None:
+    from agent_mtp.engine import batching
+
+    batched = BatchedEngine(engine)
+    try:
+        scheduler = batched.scheduler
+        assert scheduler is not None
+        first = scheduler.pass_time_curve(CURVE)
+        assert scheduler.pass_time_curve(CURVE) is first  # every sequence reads one fit
+        batched.generate(_ids(9, 1), DecodeConfig(mode="ntp", max_new_tokens=batching.REFIT_EVERY + 2))
+        assert scheduler.stats().passes >= batching.REFIT_EVERY
+        assert scheduler.pass_time_curve(CURVE) is not first
+    finally:
+        batched.close()

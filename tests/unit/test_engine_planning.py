@@ -7,7 +7,7 @@ import torch
 from agent_mtp.engine.acceptance import confadapt_accept_length, expected_accepted, verify_greedy
 from agent_mtp.engine.cost import CostCurve
 from agent_mtp.engine.drafts import Draft, NgramDraftSource, choose_draft
-from agent_mtp.engine.planner import AcceptanceRates, Plan, Planner
+from agent_mtp.engine.planner import EXPLORE_OVERHEAD, AcceptanceRates, Plan, Planner
 
 STEEP = CostCurve(((1, 1.0), (4, 1.5), (8, 1.9), (16, 2.1), (32, 2.5)))
 
@@ -122,3 +122,29 @@ def test_mtp_block_survives_the_grammar_forced_tokens_it_predicted() -> None:
     source.offer([5, 6], [0.9, 0.8])
     source.advance([5, 6])  # nothing left past the forced tokens
     assert source.propose([], 10) is None
+
+
+def _exploring_planner(curve: CostCurve, ngram: float) -> Planner:
+    planner = verify_planner(curve, 8, [0.01] * 7, ngram)
+    planner.explore_every = 8  # the rates say masks never pay, so only exploring adds them
+    planner._passes = 7  # the next pass is an exploring one
+    return planner
+
+
+def test_exploring_adds_masks_when_rows_are_cheap_and_none_when_they_are_dear():
+    alone = CostCurve(((1, 1.0), (2, 1.12), (4, 1.13), (8, 1.31), (16, 1.57), (32, 2.1)))  # the fast runtime, alone
+    assert verify_planner(alone, 8, [0.01] * 7, 0.01).plan(1, [], budget=51).masks == 0
+    assert _exploring_planner(alone, 0.01).plan(1, [], budget=51).masks >= 3
+    shared = CostCurve(((1, 1.0), (2, 1.4), (4, 2.2), (8, 3.8), (16, 7.0), (32, 13.4)))  # 8 sequences waiting
+    assert _exploring_planner(shared, 0.01).plan(1, [], budget=51).masks == 0
+
+
+def test_exploring_after_a_long_draft_is_priced_against_the_plain_pass():
+    """A long accepted-looking draft makes the pass dear; exploring must not add masks in proportion to it."""
+    steep = CostCurve(((1, 1.0), (2, 1.05), (4, 1.15), (8, 1.35), (16, 1.75), (32, 2.55)))
+    ngram = Draft(tuple(range(10)), "ngram", 5.0)
+    plan = _exploring_planner(steep, 0.99).plan(1, [ngram], budget=51)
+    assert plan.draft is not None and len(plan.draft.tokens) >= 8
+    fed = 1 + len(plan.draft.tokens)
+    extra = steep.cost(fed + plan.masks) - steep.cost(fed)
+    assert plan.masks >= 1 and extra <= EXPLORE_OVERHEAD * 8 * steep.cost(1) + 1e-9
