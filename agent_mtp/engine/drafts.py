@@ -20,6 +20,8 @@ class Draft:
     """Expected accepted tokens (the selection criterion)."""
     confidences: tuple[float, ...] = ()
     """The model's top-1 probability per token (MTP drafts)."""
+    match: int = 0
+    """Prompt-lookup drafts: how many context tokens the match covered (a one-token match is a weak signal)."""
 
 
 class DraftSource(Protocol):
@@ -70,7 +72,7 @@ class NgramDraftSource:
             tokens = _lookup(context, n, length)
             if tokens:
                 score = _geometric_sum(self.hits.rate, len(tokens))
-                return Draft(tuple(tokens), self.name, score)
+                return Draft(tuple(tokens), self.name, score, match=n)
         return None
 
     def update(self, draft: Draft, accepted: int) -> None:

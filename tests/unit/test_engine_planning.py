@@ -148,3 +148,19 @@ def test_exploring_after_a_long_draft_is_priced_against_the_plain_pass():
     fed = 1 + len(plan.draft.tokens)
     extra = steep.cost(fed + plan.masks) - steep.cost(fed)
     assert plan.masks >= 1 and extra <= EXPLORE_OVERHEAD * 8 * steep.cost(1) + 1e-9
+
+
+def test_one_token_ngram_matches_have_their_own_acceptance_rate():
+    """Prompt-lookup drafts from a one-token match are accepted far less often than from longer matches: the
+    planner keeps a rate for each and learns them apart."""
+    rates = AcceptanceRates([0.5] * 3, ngram=0.8, ngram_short=0.1)
+    long, short = Draft((4, 5, 6), "ngram", 1.0, match=3), Draft((4, 5, 6), "ngram", 1.0, match=1)
+    assert rates.draft_probs(long) == [0.8] * 3 and rates.draft_probs(short) == [0.1] * 3
+    shared = CostCurve(((1, 1.0), (2, 1.3), (4, 1.9), (8, 3.1), (16, 5.5), (32, 10.3)))
+    assert verify_planner(shared, 4, [0.1] * 3, 0.8).plan(1, [long], budget=51).draft is not None
+    planner = verify_planner(shared, 4, [0.1] * 3, 0.8)
+    planner.rates.ngram_short = 0.1
+    assert planner.plan(1, [short], budget=51).draft is None
+    planner.observe(Plan(short, 0), 3, 0)
+    assert planner.rates.ngram_short < 0.1 and planner.rates.ngram == 0.8
+    assert NgramDraftSource(ngram_max=3, draft_len=2).propose([7, 1, 2, 9, 1, 2], max_len=5).match == 2
