@@ -323,9 +323,9 @@ def _line(points: Sequence[tuple[int, float, int]]) -> tuple[float, float] | Non
 
 
 def _hinge(points: Sequence[tuple[int, float, int]]) -> Fit | None:
-    """The best continuous two-segment line over every knee with two measured row counts on each side whose
-    second slope is steeper than the first (a convex curve: rows never get cheaper past the knee); None when no
-    knee qualifies or it fits no better than a straight line would."""
+    """The best-fitting (weighted squared error) continuous two-segment line over every knee that leaves two
+    measured row counts on each side (the knee counted on its left), keeping only fits whose second slope is the
+    steeper (a convex curve: rows never get cheaper past the knee); None when no knee qualifies."""
     rows = sorted({r for r, _, _ in points})
     best: tuple[float, Fit] | None = None
     for knee in rows[1:-2]:
