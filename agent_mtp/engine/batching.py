@@ -284,8 +284,9 @@ def pass_time_curve(base: CostCurve, table: Sequence[PassTime | None], *, min_co
     One straight line through all row counts underrates what a row costs past the knee (measured on 2 cores: passes
     of 1-8 rows cost about the same, each row beyond adds ~2.5 ms; a line through 1-24 rows said ~1.8 ms), and a
     planner that underrates rows feeds drafts that cost the batch more than they give."""
-    points = [(r, t.seconds, min(t.count, 20)) for r, t in enumerate(table) if t is not None and t.count >= min_count]
-    points = [p for p in points if p[0]]
+    points = [
+        (r, t.seconds, min(t.count, 20)) for r, t in enumerate(table) if r and t is not None and t.count >= min_count
+    ]
     fit = _hinge(points) or _as_hinge(_line(points))
     if fit is None:
         return [0.0, *(base.cost(r) for r in range(1, len(table)))]

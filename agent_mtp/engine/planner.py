@@ -52,7 +52,7 @@ class AcceptanceRates:
             hit = 1.0 if j < accepted else 0.0
             self.positions[j] = 0.9 * self.positions[j] + 0.1 * hit
 
-    def observe_ngram(self, proposed: int, accepted: int, *, match: int = 2) -> None:
+    def observe_ngram(self, proposed: int, accepted: int, *, match: int) -> None:
         trials = min(proposed, accepted + 1)
         old = self.ngram_rate(match)
         rate = 0.9 * old + 0.1 * (accepted / trials if trials else old)
