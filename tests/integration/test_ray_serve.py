@@ -24,7 +24,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -187,11 +187,23 @@ class Load:
     _stop: threading.Event = field(default_factory=threading.Event)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _threads: list[threading.Thread] = field(default_factory=list)
+    _streaming: dict[int, str] = field(default_factory=dict)
+    """Client index -> the replica whose stream it is reading now (its first event came, its last not yet)."""
+
+    def replica_mid_stream(self, timeout_s: float = 30.0) -> str:
+        """A replica that is streaming to a client right now: killing it meets a request in flight."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with self._lock:
+                if self._streaming:
+                    return next(iter(self._streaming.values()))
+            time.sleep(0.005)
+        raise AssertionError(f"no stream was under way within {timeout_s} s")
 
     def __enter__(self) -> Load:
         for i in range(self.clients):
             stream = self.stream_every > 0 and i % self.stream_every == self.stream_every - 1
-            thread = threading.Thread(target=self._client, args=(stream,), daemon=True)
+            thread = threading.Thread(target=self._client, args=(i, stream), daemon=True)
             thread.start()
             self._threads.append(thread)
         return self
@@ -202,25 +214,37 @@ class Load:
             thread.join(90)
         self.hung = sum(t.is_alive() for t in self._threads)
 
-    def _client(self, stream: bool) -> None:
+    def _client(self, index: int, stream: bool) -> None:
+        def streaming_from(replica: str | None) -> None:
+            with self._lock:
+                if replica is None:
+                    self._streaming.pop(index, None)
+                else:
+                    self._streaming[index] = replica
+
         with httpx.Client(timeout=60) as client:
             while not self._stop.is_set():
                 try:
-                    outcome = _send(client, f"{self.base}/v1/chat/completions", {**self.body, "stream": stream})
+                    body = {**self.body, "stream": stream}
+                    outcome = _send(client, f"{self.base}/v1/chat/completions", body, streaming_from)
                 except httpx.TimeoutException as e:
                     outcome = f"timeout {e!r}"
                 except httpx.TransportError as e:
                     outcome = f"connection {type(e).__name__}"
                 with self._lock:
+                    self._streaming.pop(index, None)
                     if outcome == "ok":
                         self.ok += 1
                     else:
                         self.failures.append(outcome)
 
 
-def _send(client: httpx.Client, url: str, body: dict[str, Any]) -> str:
+def _send(
+    client: httpx.Client, url: str, body: dict[str, Any], streaming_from: Callable[[str | None], None]
+) -> str:
     """ "ok", or how the request failed: "503 replica_unavailable" (with Retry-After and the OpenAI error body),
-    "sse replica_unavailable" (the error event ended the stream), or what else came back."""
+    "sse replica_unavailable" (the error event ended the stream), or what else came back. A stream's replica is
+    reported to ``streaming_from`` from its first event until its last (then None)."""
     with client.stream("POST", url, json=body) as reply:
         if reply.status_code != 200:
             reply.read()
@@ -228,7 +252,12 @@ def _send(client: httpx.Client, url: str, body: dict[str, Any]) -> str:
         if not body.get("stream"):
             reply.read()
             return "ok"
-        events = [line[len("data: ") :] for line in reply.iter_lines() if line.startswith("data: ")]
+        events: list[str] = []
+        for line in reply.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[len("data: ") :])
+                done = events[-1] == "[DONE]" or '"error"' in events[-1]
+                streaming_from(None if done else reply.headers.get(REPLICA_HEADER))
     if events and events[-1] == "[DONE]":
         return "ok"
     errors = [i for i, e in enumerate(events) if e != "[DONE]" and "error" in json.loads(e)]
@@ -331,12 +360,13 @@ def _until_every_replica_answered(
 
 def test_a_replica_killed_under_load_fails_only_retryably_and_loses_no_recorded_count(fleet: Fleet) -> None:
     replicas = fleet.replicas(2)
-    victim, victim_pid = sorted(replicas.items())[0]
-    # longer requests, half of them streaming: the victim always has some in flight when it dies
+    # longer requests, half of them streaming; the victim is a replica streaming to a client at that moment, so
+    # the kill always meets a request in flight
     with Load(fleet.base, clients=6, body={**BODY, "max_tokens": 48}, stream_every=2) as load:
         time.sleep(4)
         recorded_before = fleet.requests()
-        os.kill(victim_pid, signal.SIGKILL)
+        victim = load.replica_mid_stream()
+        os.kill(replicas[victim], signal.SIGKILL)
         time.sleep(12)
         ok_after_kill_start = load.ok
         time.sleep(6)
