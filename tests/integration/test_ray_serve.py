@@ -239,9 +239,7 @@ class Load:
                         self.failures.append(outcome)
 
 
-def _send(
-    client: httpx.Client, url: str, body: dict[str, Any], streaming_from: Callable[[str | None], None]
-) -> str:
+def _send(client: httpx.Client, url: str, body: dict[str, Any], streaming_from: Callable[[str | None], None]) -> str:
     """ "ok", or how the request failed: "503 replica_unavailable" (with Retry-After and the OpenAI error body),
     "sse replica_unavailable" (the error event ended the stream), or what else came back. A stream's replica is
     reported to ``streaming_from`` from its first event until its last (then None)."""
