@@ -56,38 +56,68 @@ class HitRate:
 
 @dataclass
 class NgramDraftSource:
-    """Prompt lookup: find the latest earlier occurrence of the context's last n tokens (n = max..1) and propose
-    what followed it. Training-free; agents copy names, ids and tool results all the time."""
+    """Prompt lookup: find the earlier occurrence of the context's longest suffix (up to ``ngram_max`` tokens; the
+    latest one among equally long matches) and propose what followed it. Training-free; agents copy names, ids and
+    tool results all the time. How far the match reaches is reported with the draft (``Draft.match``): measured on
+    the bench suites, first tokens were accepted 23% of the time after a one-token match, about half after two or
+    three.
+
+    Within a generation the context is one list that only grows, so the source keeps an index of where each token
+    occurred and extends it with the new tokens on every call: a lookup costs the occurrences of the last token,
+    not a scan of the whole context per suffix length (measured: 1.5 us instead of 0.36 ms on a 1,200-token
+    context without a match, time every sequence in a batch spends holding the GIL between passes)."""
 
     ngram_max: int = 3
     draft_len: int = 10
     name: str = "ngram"
     hits: HitRate = field(default_factory=HitRate)
+    _where: dict[int, list[int]] = field(default_factory=dict, repr=False)
+    """Token -> the positions where it occurs in the context indexed so far."""
+    _context: list[int] | None = field(default=None, repr=False)
+    _indexed: int = field(default=0, repr=False)
 
     def propose(self, context: list[int], max_len: int) -> Draft | None:
         length = min(self.draft_len, max_len)
-        if length < 1:
+        if length < 1 or len(context) < 2:
             return None
-        for n in range(min(self.ngram_max, len(context) - 1), 0, -1):
-            tokens = _lookup(context, n, length)
-            if tokens:
-                score = _geometric_sum(self.hits.rate, len(tokens))
-                return Draft(tuple(tokens), self.name, score, match=n)
-        return None
+        self._index(context)
+        found = _longest_match(context, self._where.get(context[-1], ()), self.ngram_max)
+        if found is None:
+            return None
+        start, n = found
+        tokens = context[start : start + length]
+        score = _geometric_sum(self.hits.rate, len(tokens))
+        return Draft(tuple(tokens), self.name, score, match=n)
 
     def update(self, draft: Draft, accepted: int) -> None:
         self.hits.update(len(draft.tokens), accepted)
 
+    def _index(self, context: list[int]) -> None:
+        """Add the context's new tokens to the index (rebuilt for another list, or one that got shorter)."""
+        done = self._indexed
+        if context is not self._context or len(context) < done:
+            self._where, self._context, done = {}, context, 0
+        for position in range(done, len(context)):
+            self._where.setdefault(context[position], []).append(position)
+        self._indexed = len(context)
 
-def _lookup(context: list[int], n: int, length: int) -> list[int]:
-    """Tokens after the most recent earlier match of context[-n:] (excluding the suffix itself)."""
-    suffix = context[-n:]
-    for start in range(len(context) - n - 1, -1, -1):
-        if context[start : start + n] == suffix:
-            follow = context[start + n : start + n + length]
-            if follow:
-                return follow
-    return []
+
+def _longest_match(context: list[int], occurrences: Sequence[int], most: int) -> tuple[int, int] | None:
+    """(where the continuation starts, match length) of the earlier occurrence of the context's last token whose
+    preceding tokens match the context's for longest (at most ``most``; the latest among equals), or None."""
+    last = len(context) - 1
+    best: tuple[int, int] | None = None
+    for position in reversed(occurrences):
+        if position >= last:
+            continue
+        n = 1
+        while n < most and n <= position and context[position - n] == context[last - n]:
+            n += 1
+        if best is None or n > best[1]:
+            best = (position + 1, n)
+            if n == most:
+                break
+    return best
 
 
 def _geometric_sum(rate: float, length: int) -> float:

@@ -36,9 +36,34 @@ def test_ngram_lookup_proposes_what_followed_the_latest_match():
     source = NgramDraftSource(ngram_max=3, draft_len=4)
     context = [1, 2, 3, 9, 9, 7, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3]
     draft = source.propose(context, max_len=10)
-    assert draft is not None and draft.tokens == (4, 5, 6, 0)
+    assert draft is not None and draft.tokens == (4, 5, 6, 0) and draft.match == 3
     assert source.propose([1, 2, 3], max_len=10) is None
     assert source.propose(context, max_len=2).tokens == (4, 5)
+
+
+def test_ngram_lookup_prefers_the_longest_match_then_the_latest():
+    #          0  1  2  3  4  5  6  7  8  9 10 11 12 13 14 15
+    context = [5, 1, 2, 3, 7, 8, 2, 3, 6, 4, 9, 5, 1, 2, 3]
+    draft = NgramDraftSource(ngram_max=8, draft_len=2).propose(context, max_len=10)
+    assert draft is not None and draft.match == 4 and draft.tokens == (7, 8)  # [5, 1, 2, 3] beats the later [2, 3]
+    assert NgramDraftSource(ngram_max=2, draft_len=2).propose(context, max_len=10).tokens == (6, 4)  # latest of 2
+
+
+def test_ngram_index_follows_a_growing_context_and_rebuilds_for_another():
+    """The source indexes the context incrementally; proposals always equal a fresh source's (a scan)."""
+    import random
+
+    rng = random.Random(0)
+    growing = NgramDraftSource(ngram_max=5, draft_len=6)
+    context = [rng.randrange(6), rng.randrange(6)]  # one list, extended in place (as the decode loop does)
+    while len(context) < 300:
+        assert growing.propose(context, 6) == NgramDraftSource(ngram_max=5, draft_len=6).propose(list(context), 6)
+        context += [rng.randrange(6) for _ in range(rng.randrange(1, 4))]
+    assert growing._context is context  # the same list throughout: its index was extended, never rebuilt
+    other = [3, 1, 4, 1, 5, 9, 2, 6, 1, 4]  # not an extension of the last context: the index starts over
+    assert growing.propose(other, 6) == NgramDraftSource(ngram_max=5, draft_len=6).propose(other, 6)
+    draft = growing.propose(other, 6)
+    assert draft is not None and (draft.tokens, draft.match) == ((1, 5, 9, 2, 6, 1), 2)
 
 
 def test_choose_draft_prefers_higher_score():
