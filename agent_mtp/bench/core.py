@@ -95,19 +95,21 @@ class Variant:
 _VARIANT_NAMES = re.compile(
     r"^(?:(?P<hf>hf-generate-(?P<dtype>fp32|bf16))|(?P<lookup>hf-prompt-lookup)|(?P<llamacpp>llama-cpp)"
     r"|(?:(?P<ntp>ntp)|static-(?P<static>\d+)|confadapt-(?P<tau>\d+(?:\.\d+)?)(?P<cauto>-auto)?"
-    r"|verified(?P<drafts>-mtp|-ngram)?(?P<vauto>-auto)?)(?:@(?P<runtime>fast|hf))?)$"
+    r"|verified(?P<drafts>-mtp-ngram|-mtp|-ngram)?(?P<vauto>-auto)?)(?:@(?P<runtime>fast|hf))?)$"
 )
 
 
 def variant_from_name(name: str, *, k_max: int = 8) -> Variant:
     """A variant from its name: ``hf-generate-fp32``, ``hf-generate-bf16``, ``hf-prompt-lookup``, ``llama-cpp``,
-    ``ntp``, ``static-<k>``, ``confadapt-<tau>[-auto]``, ``verified[-mtp|-ngram][-auto]`` (``-auto``:
-    ``k_max="auto"``); an engine variant may end in ``@fast`` or ``@hf`` to pick the runtime that runs it."""
+    ``ntp``, ``static-<k>``, ``confadapt-<tau>[-auto]``, ``verified[-mtp|-ngram|-mtp-ngram][-auto]`` (only those
+    draft sources; ``-auto``: ``k_max="auto"``); an engine variant may end in ``@fast`` or ``@hf`` to pick the
+    runtime that runs it."""
     m = _VARIANT_NAMES.match(name.strip())
     if m is None:
         msg = (
             f"Unknown bench variant {name!r}; use hf-generate-fp32, hf-generate-bf16, hf-prompt-lookup, llama-cpp, "
-            "ntp, static-<k>, confadapt-<tau>[-auto] or verified[-mtp|-ngram][-auto], engine variants optionally "
+            "ntp, static-<k>, confadapt-<tau>[-auto] or verified[-mtp|-ngram|-mtp-ngram][-auto], engine variants "
+            "optionally "
             "with @fast or @hf."
         )
         raise ConfigError(msg)
@@ -127,7 +129,9 @@ def variant_from_name(name: str, *, k_max: int = 8) -> Variant:
     if m["tau"]:
         k: int | str = "auto" if m["cauto"] else k_max
         return Variant(name, DecodeConfig(mode="confadapt", threshold=float(m["tau"]), k_max=k))  # type: ignore[arg-type]
-    drafts = {"-mtp": ("mtp",), "-ngram": ("ngram",)}.get(m["drafts"] or "", ("mtp", "ngram"))
+    drafts = {"-mtp": ("mtp",), "-ngram": ("ngram",), "-mtp-ngram": ("mtp", "ngram")}.get(
+        m["drafts"] or "", DecodeConfig().drafts
+    )
     k = "auto" if m["vauto"] else k_max
     return Variant(name, DecodeConfig(mode="verified", k_max=k, drafts=drafts))  # type: ignore[arg-type]
 

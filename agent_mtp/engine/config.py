@@ -16,7 +16,7 @@ MODES: tuple[str, ...] = get_args(Mode)
 LOSSY_MODES: frozenset[str] = frozenset(m for m in MODES if not LOSSLESS[m])
 """Modes whose output may differ from NTP (the policy's breaker and NTP-agreement monitor watch only these)."""
 LOSSLESS_MODES: frozenset[str] = frozenset(m for m in MODES if LOSSLESS[m])
-DraftName = Literal["mtp", "ngram"]
+DraftName = Literal["mtp", "ngram", "grammar"]
 DRAFT_SOURCES: tuple[str, ...] = get_args(DraftName)
 K_MAX_LIMIT = 64
 
@@ -53,8 +53,9 @@ class DecodeConfig:
     """Seconds after which decoding stops with finish_reason "timeout" and the partial text."""
     seed: int | None = None
     """Seed of the sampling generator (reproducible sampling)."""
-    drafts: tuple[DraftName, ...] = ("mtp", "ngram")
-    """Draft sources for verified mode: "mtp" (mask predictions) and/or "ngram" (prompt lookup)."""
+    drafts: tuple[DraftName, ...] = ("mtp", "ngram", "grammar")
+    """Draft sources for verified mode: "mtp" (mask predictions), "ngram" (prompt lookup), "grammar" (under a
+    constraint, the forced text's last token, which jump-forward leaves to the model)."""
     ngram_max: int = 3
     """Longest n-gram suffix to match for prompt-lookup drafts."""
     ngram_draft_len: int = 10

@@ -135,7 +135,7 @@ def _one_pass(
     generator: torch.Generator | None,
     stats: DecodeStats,
 ) -> _PassResult:
-    plan = setup.planner.plan(len(state.pending), _drafts(state, budget), budget)
+    plan = setup.planner.plan(len(state.pending), _drafts(state, cfg, budget, constraint), budget)
     draft, masks = plan.draft, plan.masks
     draft_tokens = plan.draft_tokens
     feed = state.pending + draft_tokens + [setup.mask_token_id] * masks
@@ -166,10 +166,22 @@ def _draft_sources(state: _State, cfg: DecodeConfig) -> list[DraftSource]:
     return sources
 
 
-def _drafts(state: _State, budget: int) -> list[Draft]:
-    """Every source's proposal for the next pass (none outside verified mode: no sources)."""
+def _drafts(state: _State, cfg: DecodeConfig, budget: int, constraint: TokenConstraint | None) -> list[Draft]:
+    """Every source's proposal for the next pass (none outside verified mode), the grammar's forced text among
+    them when a constraint has some (:func:`_grammar_draft`)."""
     proposals = [source.propose(state.context, budget - 1) for source in state.sources]
+    if cfg.mode == "verified" and "grammar" in cfg.drafts and constraint is not None:
+        proposals.append(_grammar_draft(constraint, budget - 1))
     return [d for d in proposals if d is not None and d.tokens]
+
+
+def _grammar_draft(constraint: TokenConstraint, max_len: int) -> Draft | None:
+    """The forced text's tokens that jump-forward leaves to the model (the last token of a forced string may
+    merge with what follows, e.g. the `` "`` that opens a value after a key), as a draft to verify: accepted, it
+    saves the pass that would produce it alone. Constraints without ``forced_draft`` propose nothing."""
+    forced_draft = getattr(constraint, "forced_draft", None)
+    tokens = forced_draft()[:max_len] if forced_draft is not None and max_len > 0 else []
+    return Draft(tuple(tokens), "grammar", float(len(tokens))) if tokens else None
 
 
 def _masked_probs(row: torch.Tensor, cfg: DecodeConfig, constraint: TokenConstraint | None) -> torch.Tensor:

@@ -237,6 +237,8 @@ class GrammarConstraint:
         """The plan (forced tokens) of the state after each accepted token; None = not computed yet."""
         self._mask: torch.Tensor | None = None
         """Allowed tokens of the current state (cached until the state changes)."""
+        self._draft: tuple[int, ...] | None = None
+        """:meth:`forced_draft` of the current state (cached until the state changes)."""
 
     # -- TokenConstraint ------------------------------------------------------------------------------------
     def allowed_mask(self, vocab_size: int) -> torch.Tensor:
@@ -260,7 +262,7 @@ class GrammarConstraint:
         if not self.matcher.accept_token(token_id):
             return False
         self._plans.append(plan[1:] or None)
-        self._mask = None
+        self._mask = self._draft = None
         return True
 
     def rollback(self, num_tokens: int) -> None:
@@ -270,13 +272,22 @@ class GrammarConstraint:
             raise GrammarError(f"Cannot roll back {num_tokens} tokens: only {len(self._plans) - 1} were accepted.")
         self.matcher.rollback(num_tokens)
         del self._plans[-num_tokens:]
-        self._mask = None
+        self._mask = self._draft = None
 
     def is_terminated(self) -> bool:
         return bool(self.matcher.is_terminated())
 
     def forced_tokens(self) -> list[int]:
         return list(self._plan())
+
+    def forced_draft(self) -> list[int]:
+        """The whole forced text as tokens, its last token included (see :meth:`_jump_forward_tokens`): a draft for
+        verified decoding, which checks it against the model instead of appending it. After a jump forward this is
+        typically the one token it left out, e.g. the `` "`` that opens a string value after a forced key, which
+        otherwise costs a pass of its own. Does not advance the state."""
+        if self._draft is None:
+            self._draft = () if self.matcher.is_terminated() else self._accepted_prefix(self._forced_ids(), drop_last=0)
+        return list(self._draft)
 
     # -- extras -----------------------------------------------------------------------------------------------
     def is_completed(self) -> bool:
@@ -320,9 +331,17 @@ class GrammarConstraint:
         could merge with the text that follows). The matcher is left where it was."""
         if not forced:
             return ()
-        ids = self.vocab.tokenizer.encode(forced, add_special_tokens=False)[:-1]
+        return self._accepted_prefix(self.vocab.tokenizer.encode(forced, add_special_tokens=False), drop_last=1)
+
+    def _forced_ids(self) -> list[int]:
+        forced = self.matcher.find_jump_forward_string()
+        return self.vocab.tokenizer.encode(forced, add_special_tokens=False) if forced else []
+
+    def _accepted_prefix(self, ids: list[int], *, drop_last: int) -> tuple[int, ...]:
+        """The longest prefix of ``ids`` (all but the last ``drop_last``) that the matcher accepts; the matcher is left
+        where it was."""
         taken = 0
-        for token_id in ids:
+        for token_id in ids[: len(ids) - drop_last]:
             if token_id in self.vocab.banned_ids or not self.matcher.accept_token(int(token_id)):
                 break
             taken += 1

@@ -44,6 +44,8 @@ class AcceptanceRates:
     positions: list[float]
     ngram: float = 0.5
     ngram_short: float = 0.2
+    grammar: float = 0.8
+    """Drafts of the grammar's forced text (the token jump-forward leaves to the model)."""
 
     def observe_positions(self, proposed: int, accepted: int) -> None:
         """``proposed`` positions beyond the first were offered and the first ``accepted`` of them kept; each
@@ -51,6 +53,11 @@ class AcceptanceRates:
         for j in range(min(proposed, accepted + 1, len(self.positions))):
             hit = 1.0 if j < accepted else 0.0
             self.positions[j] = 0.9 * self.positions[j] + 0.1 * hit
+
+    def observe_grammar(self, proposed: int, accepted: int) -> None:
+        trials = min(proposed, accepted + 1)
+        if trials:
+            self.grammar = 0.9 * self.grammar + 0.1 * accepted / trials
 
     def observe_ngram(self, proposed: int, accepted: int, *, match: int) -> None:
         trials = min(proposed, accepted + 1)
@@ -71,6 +78,8 @@ class AcceptanceRates:
             conf = list(draft.confidences) if draft.confidences else [0.5] * len(draft.tokens)
             blended = [0.5 * c + 0.5 * r for c, r in zip(conf, self.positions, strict=False)]
             return blended + [0.0] * max(len(draft.tokens) - len(self.positions), 0)
+        if draft.source == "grammar":
+            return [self.grammar] * len(draft.tokens)
         return [self.ngram_rate(draft.match)] * len(draft.tokens)
 
 
@@ -131,6 +140,8 @@ class Planner:
             if self.cost_aware and plan.draft is not None:
                 if plan.draft.source == "mtp":
                     self.rates.observe_positions(len(plan.draft.tokens), accepted)
+                elif plan.draft.source == "grammar":
+                    self.rates.observe_grammar(len(plan.draft.tokens), accepted)
                 else:
                     self.rates.observe_ngram(len(plan.draft.tokens), accepted, match=plan.draft.match)
         elif self.auto_k:

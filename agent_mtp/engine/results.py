@@ -89,7 +89,7 @@ class StreamChunk:
     token_ids: tuple[int, ...]
     """Tokens accepted in this pass."""
     source: str = "ntp"
-    """What proposed the accepted tokens beyond the first: ntp, mtp, ngram, jump_forward."""
+    """What proposed the accepted tokens beyond the first: ntp, mtp, ngram, grammar, jump_forward."""
     finish_reason: FinishReason | None = None
     """Set on the last chunk only."""
     stats: DecodeStats | None = None

@@ -41,7 +41,7 @@ def _default_retry_on() -> list[RetryOn]:
 
 
 def _default_drafts() -> list[DraftSource]:
-    return ["mtp", "ngram"]
+    return ["mtp", "ngram", "grammar"]
 
 
 # ---------------------------------------------------------------------------------------------------- retries
@@ -174,7 +174,7 @@ class StepSettings(_Section):
     temperature: float = Field(default=0.0, ge=0, description="0 = greedy, or a number > 0")
     drafts: list[DraftSource] = Field(
         default_factory=_default_drafts,
-        description="draft sources for verified mode: mtp and/or ngram",
+        description="draft sources for verified mode: mtp, ngram and/or grammar",
     )
     target_agreement: float | None = Field(
         default=None,

@@ -248,7 +248,8 @@ def test_variant_names():
     assert variant_from_name("confadapt-0.9-auto").config.k_max == "auto"  # type: ignore[union-attr]
     mtp = variant_from_name("verified-mtp").config
     assert mtp is not None and mtp.mode == "verified" and mtp.drafts == ("mtp",)
-    assert variant_from_name("verified-auto").config.drafts == ("mtp", "ngram")  # type: ignore[union-attr]
+    assert variant_from_name("verified-auto").config.drafts == ("mtp", "ngram", "grammar")  # type: ignore[union-attr]
+    assert variant_from_name("verified-mtp-ngram").config.drafts == ("mtp", "ngram")  # type: ignore[union-attr]
     assert variant_from_name("static-4").config.k_max == 4  # type: ignore[union-attr]
     lookup = variant_from_name("hf-prompt-lookup")
     assert lookup.is_hf and lookup.prompt_lookup == 10

@@ -107,6 +107,22 @@ def test_forced_tokens_do_not_advance_and_drive_the_mask(engine):
     assert constraint.forced_tokens() == forced  # asking twice changes nothing
 
 
+def test_the_forced_draft_is_the_whole_forced_text_and_does_not_advance(engine):
+    """Jump-forward leaves the forced text's last token to the model (it may merge with what follows); the forced
+    draft offers it to verification, after the planned tokens, without moving the matcher."""
+    constraint = forced_grammar(engine).constraint()
+    plan, draft = constraint.forced_tokens(), constraint.forced_draft()
+    assert len(draft) == len(plan) + 1 and draft[: len(plan)] == plan
+    assert engine.tokenizer.decode(draft) == constraint.matcher.find_jump_forward_string()
+    assert constraint.num_accepted == 0 and constraint.forced_draft() == draft
+    for token in plan:
+        assert constraint.accept(token)
+    assert constraint.forced_tokens() == [] and constraint.forced_draft() == draft[len(plan) :]
+    assert constraint.accept(draft[-1])  # the model may write it: the draft is a legal continuation
+    constraint.rollback(len(plan) + 1)
+    assert constraint.forced_draft() == draft  # the cached draft follows the state back
+
+
 def test_the_stop_token_is_forced_after_a_closed_call(engine):
     constraint = forced_grammar(engine).constraint()
     for token in engine.tokenizer.encode(render_tool_call("get_time", {"tz": "UTC"})):
@@ -233,6 +249,25 @@ def test_constrained_verified_equals_constrained_ntp_token_for_token(seed, jump_
         assert verified.token_ids == ntp.token_ids
         assert verified.text == ntp.text
         assert_valid_call(ntp.text)
+
+
+def test_grammar_drafts_save_passes_and_keep_verified_exact(engine):
+    grammar = forced_grammar(engine)
+    for prompt in PROMPTS:
+        ntp = engine.generate(prompt, DecodeConfig(mode="ntp", max_new_tokens=120), constraint=grammar.constraint())
+        runs = {
+            drafts: engine.generate(
+                prompt,
+                DecodeConfig(mode="verified", k_max=8, max_new_tokens=120, drafts=drafts),
+                constraint=grammar.constraint(),
+            )
+            for drafts in [("mtp", "ngram", "grammar"), ("mtp", "ngram")]
+        }
+        with_grammar, without = runs[("mtp", "ngram", "grammar")], runs[("mtp", "ngram")]
+        assert with_grammar.token_ids == without.token_ids == ntp.token_ids
+        assert with_grammar.stats.draft_stats["grammar"]["accepted"] > 0
+        assert "grammar" not in without.stats.draft_stats
+        assert with_grammar.stats.forward_passes < without.stats.forward_passes
 
 
 def test_json_schema_grammar_verified_equals_ntp(engine):

@@ -189,3 +189,16 @@ def test_one_token_ngram_matches_have_their_own_acceptance_rate():
     planner.observe(Plan(short, 0), 3, 0)
     assert planner.rates.ngram_short < 0.1 and planner.rates.ngram == 0.8
     assert NgramDraftSource(ngram_max=3, draft_len=2).propose([7, 1, 2, 9, 1, 2], max_len=5).match == 2
+
+
+def test_grammar_drafts_have_their_own_acceptance_rate():
+    rates = AcceptanceRates([0.5] * 3, ngram=0.1, ngram_short=0.1, grammar=0.9)
+    forced = Draft((4,), "grammar", 1.0)
+    assert rates.draft_probs(forced) == [0.9]
+    shared = CostCurve(((1, 1.0), (2, 1.3), (4, 1.9), (8, 3.1), (16, 5.5), (32, 10.3)))
+    planner = Planner("verified", 4, cost_aware=True, curve=shared, rates=rates, explore_every=0)
+    assert planner.plan(1, [forced], budget=51).draft == forced  # a likely token pays even when rows are dear
+    for _ in range(30):
+        planner.observe(Plan(forced, 0), 1, 0)
+    assert rates.grammar < 0.1 and rates.ngram == 0.1
+    assert planner.plan(1, [forced], budget=51).draft is None
