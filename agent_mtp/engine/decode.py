@@ -181,7 +181,11 @@ def _grammar_draft(constraint: TokenConstraint, max_len: int) -> Draft | None:
     saves the pass that would produce it alone. Constraints without ``forced_draft`` propose nothing."""
     forced_draft = getattr(constraint, "forced_draft", None)
     tokens = forced_draft()[:max_len] if forced_draft is not None and max_len > 0 else []
-    return Draft(tuple(tokens), "grammar", float(len(tokens))) if tokens else None
+    if not tokens:
+        return None
+    planned = len(constraint.forced_tokens())  # before jump-forward has taken them (the first pass): certain
+    certain = tuple(1.0 if i < planned else 0.0 for i in range(len(tokens)))
+    return Draft(tuple(tokens), "grammar", float(len(tokens)), certain)
 
 
 def _masked_probs(row: torch.Tensor, cfg: DecodeConfig, constraint: TokenConstraint | None) -> torch.Tensor:

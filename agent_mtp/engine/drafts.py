@@ -19,7 +19,8 @@ class Draft:
     score: float
     """Expected accepted tokens (the selection criterion)."""
     confidences: tuple[float, ...] = ()
-    """The model's top-1 probability per token (MTP drafts)."""
+    """The model's top-1 probability per token (MTP drafts); grammar drafts: 1.0 for the tokens the grammar's plan
+    forces (certain to be accepted), 0.0 for the rest."""
     match: int = 0
     """Prompt-lookup drafts: how many context tokens the match covered (a one-token match is a weak signal)."""
 

@@ -54,10 +54,12 @@ class AcceptanceRates:
             hit = 1.0 if j < accepted else 0.0
             self.positions[j] = 0.9 * self.positions[j] + 0.1 * hit
 
-    def observe_grammar(self, proposed: int, accepted: int) -> None:
-        trials = min(proposed, accepted + 1)
-        if trials:
-            self.grammar = 0.9 * self.grammar + 0.1 * accepted / trials
+    def observe_grammar(self, draft: Draft, accepted: int) -> None:
+        """Learn from a grammar draft's tokens beyond those its plan forced (those are certain)."""
+        planned = sum(c >= 1.0 for c in draft.confidences)
+        trials = min(len(draft.tokens) - planned, accepted - planned + 1)
+        if trials > 0:
+            self.grammar = 0.9 * self.grammar + 0.1 * (accepted - planned) / trials
 
     def observe_ngram(self, proposed: int, accepted: int, *, match: int) -> None:
         trials = min(proposed, accepted + 1)
@@ -79,7 +81,8 @@ class AcceptanceRates:
             blended = [0.5 * c + 0.5 * r for c, r in zip(conf, self.positions, strict=False)]
             return blended + [0.0] * max(len(draft.tokens) - len(self.positions), 0)
         if draft.source == "grammar":
-            return [self.grammar] * len(draft.tokens)
+            certain = [c >= 1.0 for c in draft.confidences]
+            return [1.0 if i < len(certain) and certain[i] else self.grammar for i in range(len(draft.tokens))]
         return [self.ngram_rate(draft.match)] * len(draft.tokens)
 
 
@@ -141,7 +144,7 @@ class Planner:
                 if plan.draft.source == "mtp":
                     self.rates.observe_positions(len(plan.draft.tokens), accepted)
                 elif plan.draft.source == "grammar":
-                    self.rates.observe_grammar(len(plan.draft.tokens), accepted)
+                    self.rates.observe_grammar(plan.draft, accepted)
                 else:
                     self.rates.observe_ngram(len(plan.draft.tokens), accepted, match=plan.draft.match)
         elif self.auto_k:

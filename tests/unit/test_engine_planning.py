@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from agent_mtp.engine.acceptance import confadapt_accept_length, expected_accepted, verify_greedy
@@ -202,3 +203,11 @@ def test_grammar_drafts_have_their_own_acceptance_rate():
         planner.observe(Plan(forced, 0), 1, 0)
     assert rates.grammar < 0.1 and rates.ngram == 0.1
     assert planner.plan(1, [forced], budget=51).draft is None
+    # tokens the grammar's plan forces are certain whatever the rate, and teach it nothing
+    planned = Draft((7, 8, 9, 4), "grammar", 4.0, (1.0, 1.0, 1.0, 0.0))
+    assert rates.draft_probs(planned) == [1.0, 1.0, 1.0, rates.grammar]
+    before = rates.grammar
+    planner.observe(Plan(planned, 0), 4, 4)
+    assert before < rates.grammar < before + 0.1 + 1e-9
+    planner.observe(Plan(Draft((7, 8), "grammar", 2.0, (1.0, 1.0)), 0), 2, 2)
+    assert rates.grammar == pytest.approx(0.9 * before + 0.1)

@@ -97,7 +97,7 @@ def test_decode_config_carries_the_step_settings() -> None:
     settings = StepSettings(mode="static", threshold=0.5, k_max=4, max_new_tokens=32, max_time_s=2.5)
     cfg = settings.decode_config()
     assert cfg == DecodeConfig(
-        mode="static", threshold=0.5, k_max=4, max_new_tokens=32, max_time=2.5, drafts=("mtp", "ngram")
+        mode="static", threshold=0.5, k_max=4, max_new_tokens=32, max_time=2.5, drafts=("mtp", "ngram", "grammar")
     )
 
 
