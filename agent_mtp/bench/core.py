@@ -83,7 +83,7 @@ class Variant:
     prompt_lookup: int | None = None
     """HF variants: ``prompt_lookup_num_tokens`` (prompt lookup decoding)."""
     runtime: str | None = None
-    """Engine variants: the runtime that runs them ("fast" or "hf"; None: the engine's own)."""
+    """Engine variants: the runtime that runs them ("fast", "fast-fp32" or "hf"; None: the engine's own)."""
     peer: str | None = None
     """Peers outside transformers: "llama-cpp"."""
 
@@ -95,7 +95,7 @@ class Variant:
 _VARIANT_NAMES = re.compile(
     r"^(?:(?P<hf>hf-generate-(?P<dtype>fp32|bf16))|(?P<lookup>hf-prompt-lookup)|(?P<llamacpp>llama-cpp)"
     r"|(?:(?P<ntp>ntp)|static-(?P<static>\d+)|confadapt-(?P<tau>\d+(?:\.\d+)?)(?P<cauto>-auto)?"
-    r"|verified(?P<drafts>-mtp-ngram|-mtp|-ngram)?(?P<vauto>-auto)?)(?:@(?P<runtime>fast|hf))?)$"
+    r"|verified(?P<drafts>-mtp-ngram|-mtp|-ngram)?(?P<vauto>-auto)?)(?:@(?P<runtime>fast-fp32|fast|hf))?)$"
 )
 
 
@@ -103,14 +103,13 @@ def variant_from_name(name: str, *, k_max: int = 8) -> Variant:
     """A variant from its name: ``hf-generate-fp32``, ``hf-generate-bf16``, ``hf-prompt-lookup``, ``llama-cpp``,
     ``ntp``, ``static-<k>``, ``confadapt-<tau>[-auto]``, ``verified[-mtp|-ngram|-mtp-ngram][-auto]`` (only those
     draft sources; ``-auto``: ``k_max="auto"``); an engine variant may end in ``@fast`` or ``@hf`` to pick the
-    runtime that runs it."""
+    runtime that runs it, or ``@fast-fp32`` for the fast runtime without block weights (float32 GEMM only)."""
     m = _VARIANT_NAMES.match(name.strip())
     if m is None:
         msg = (
             f"Unknown bench variant {name!r}; use hf-generate-fp32, hf-generate-bf16, hf-prompt-lookup, llama-cpp, "
             "ntp, static-<k>, confadapt-<tau>[-auto] or verified[-mtp|-ngram|-mtp-ngram][-auto], engine variants "
-            "optionally "
-            "with @fast or @hf."
+            "optionally with @fast, @fast-fp32 or @hf."
         )
         raise ConfigError(msg)
     if m["llamacpp"]:

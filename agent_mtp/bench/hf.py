@@ -44,6 +44,11 @@ def bare_model(engine: Any) -> Iterator[Any]:
         adapter.attach(engine.model, engine.mask_token_id)
 
 
+FAST_FP32 = "fast-fp32"
+"""A bench runtime name: the fast runtime with the float32 GEMM for every pass (no block weights), to show the
+block kernels' gain side by side."""
+
+
 class BaselineModels:
     """What the variants run on: bare models per dtype (the engine's own with its adapter detached for its dtype, a
     cached copy for any other), sibling engines per runtime, and the llama.cpp peer (loaded on first use)."""
@@ -60,7 +65,10 @@ class BaselineModels:
         if runtime is None:
             return self.main
         if runtime not in self._engines:
-            self._engines[runtime] = self.main.with_runtime(runtime)
+            if runtime == FAST_FP32:
+                self._engines[runtime] = self.main.with_runtime("fast", block_weights=False)
+            else:
+                self._engines[runtime] = self.main.with_runtime(runtime)
         return self._engines[runtime]
 
     def cost_curves(self) -> dict[str, list[list[float]]]:

@@ -17,7 +17,7 @@ from agent_mtp.engine.config import DecodeConfig
 from agent_mtp.engine.constraints import TokenConstraint
 from agent_mtp.engine.cost import CURVE_POINTS, CostCurve, load_or_measure, measure_cost_curve
 from agent_mtp.engine.decode import DecodeSetup, decode
-from agent_mtp.engine.fast import FastModel, FastRunner, unsupported_reason
+from agent_mtp.engine.fast import FastModel, FastRunner, blockq, unsupported_reason
 from agent_mtp.engine.fast.model import source_signature
 from agent_mtp.engine.loading import DEFAULT_MODEL_ALIASES, LoadedModel, cache_root, load_model, prefix_cache_mb
 from agent_mtp.engine.planner import Planner, needs_cost_curve
@@ -76,6 +76,7 @@ class MTPEngine:
         cost_curve: CostCurve | None = None,
         runtime: Runtime = "auto",
         prefix_cache_mb: float | None = None,
+        block_weights: bool = True,
     ) -> None:
         self.loaded = loaded
         self.model = loaded.model
@@ -89,6 +90,9 @@ class MTPEngine:
         self.eos_token_ids = frozenset(eos_token_ids(self.model, self.tokenizer))
         self.runtime: str = _resolve_runtime(runtime, self.model)
         """The runtime that runs forward passes: "fast" or "hf" (``runtime="auto"`` resolved)."""
+        self.block_weights = block_weights
+        """Fast runtime: short passes read weights that are exactly GGUF quantization blocks (the default model's)
+        as blocks (:mod:`agent_mtp.engine.fast.blockq`); False keeps the float32 GEMM for every pass."""
         self._fast: FastModel | None = None
         budget = prefix_cache_mb_setting(prefix_cache_mb)
         self.prefix_cache = PrefixCache(int(budget * 2**20))
@@ -280,12 +284,15 @@ class MTPEngine:
         assert last is not None and last.stats is not None and last.finish_reason is not None
         return GenerationResult("".join(text), ids, last.finish_reason, last.stats)
 
-    def with_runtime(self, runtime: Runtime) -> MTPEngine:
-        """This engine if it already runs on ``runtime``, else a sibling over the same model, tokenizer and adapter
-        on that runtime (for side-by-side comparisons; the sibling has its own lock and cost curve)."""
-        if runtime == self.runtime or (runtime == "auto" and self.runtime == _resolve_runtime("auto", self.model)):
+    def with_runtime(self, runtime: Runtime, *, block_weights: bool | None = None) -> MTPEngine:
+        """This engine if it already runs on ``runtime`` (with ``block_weights``, None: this engine's), else a sibling
+        over the same model, tokenizer and adapter (for side-by-side comparisons; it has its own lock and cost
+        curve)."""
+        blocks = self.block_weights if block_weights is None else block_weights
+        same = runtime == self.runtime or (runtime == "auto" and self.runtime == _resolve_runtime("auto", self.model))
+        if same and blocks == self.block_weights:
             return self
-        return MTPEngine(self.loaded, adapter=self.adapter, runtime=runtime)
+        return MTPEngine(self.loaded, adapter=self.adapter, runtime=runtime, block_weights=blocks)
 
     def new_runner(self) -> Runner:
         """A runner for one sequence on this engine's runtime (the fast model is prepared on first use, and again
@@ -295,7 +302,9 @@ class MTPEngine:
         with self._lock:
             if self._fast is None or self._fast.signature != source_signature(self.model):
                 log.info("Preparing the fast runtime for %s", self.model_id)
-                self._fast = compute().run(FastModel.from_hf, self.model, mask_token_id=self.mask_token_id)
+                self._fast = compute().run(
+                    FastModel.from_hf, self.model, mask_token_id=self.mask_token_id, blocks=self.block_weights
+                )
             return FastRunner(self._fast)
 
     def _fit_to_context(self, cfg: DecodeConfig, prompt_len: int) -> DecodeConfig:
@@ -343,7 +352,8 @@ class MTPEngine:
         device = str(self.model.device).replace(":", "")
         slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", self.model_id)
         dtype = str(self.model.dtype).replace("torch.", "")
-        name = f"{slug}-{device}-{dtype}-{self.runtime}-t{compute_threads()}.json"
+        kernels = "" if self.runtime == "hf" else f"-{blockq.kernel_tag() if self.block_weights else 'fp32'}"
+        name = f"{slug}-{device}-{dtype}-{self.runtime}{kernels}-t{compute_threads()}.json"
         return cache_root() / "cost_curves" / name
 
     def measure_cost_curve(self) -> CostCurve:

@@ -246,8 +246,8 @@ def test_cli_ab_prints_both_sides_and_flushes_to_redis(
 
 # -- runtimes and peers ----------------------------------------------------------------------------------------------
 def test_runtime_variants_run_side_by_side_with_equal_greedy_output(engine: Any, prompts: list[Any]):
-    variants = variants_from_names(["ntp@hf", "ntp@fast", "verified@hf", "verified"], k_max=4)
-    assert [v.runtime for v in variants] == ["hf", "fast", "hf", None]
+    variants = variants_from_names(["ntp@hf", "ntp@fast", "verified@hf", "verified", "verified@fast-fp32"], k_max=4)
+    assert [v.runtime for v in variants] == ["hf", "fast", "hf", None, "fast-fp32"]
     assert engine.runtime == "fast"
     report = run_bench(engine, prompts, variants, score=False)
     outputs: dict[str, dict[str, list[int]]] = {}
@@ -255,7 +255,7 @@ def test_runtime_variants_run_side_by_side_with_equal_greedy_output(engine: Any,
         outputs.setdefault(run.prompt_id, {})[run.variant] = run.token_ids
     for prompt_id, by_variant in outputs.items():
         assert len({tuple(ids) for ids in by_variant.values()}) == 1, prompt_id
-    assert set(report.settings["cost_curves"]) == {"fast", "hf"}
+    assert set(report.settings["cost_curves"]) == {"fast", "hf", "fast-fp32"}
 
 
 def test_peer_and_runtime_names_are_validated():
@@ -265,7 +265,8 @@ def test_peer_and_runtime_names_are_validated():
     assert variant_from_name("llama-cpp").peer == "llama-cpp"
     assert not variant_from_name("llama-cpp").is_hf
     assert variant_from_name("confadapt-0.8@hf").config.threshold == 0.8  # type: ignore[union-attr]
-    for bad in ("hf-generate-fp32@hf", "llama-cpp@fast", "ntp@gpu"):
+    assert variant_from_name("ntp@fast-fp32").runtime == "fast-fp32"
+    for bad in ("hf-generate-fp32@hf", "llama-cpp@fast", "ntp@gpu", "hf-generate-fp32@fast-fp32"):
         with pytest.raises(ConfigError, match="Unknown bench variant"):
             variant_from_name(bad)
 

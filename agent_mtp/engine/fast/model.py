@@ -137,7 +137,7 @@ class FastModel:
     attention, KV cache, logits -- stays float32, so it is closer to the float32 model than HF's all-bfloat16
     forward, but not equal to either)."""
 
-    def __init__(self, model: Any, *, mask_token_id: int | None, prepack: bool = True) -> None:
+    def __init__(self, model: Any, *, mask_token_id: int | None, prepack: bool = True, blocks: bool = True) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"The fast runtime cannot run this model: {reason}.")
@@ -159,23 +159,27 @@ class FastModel:
         self.mask_embedding = adapter.mask_embedding.detach().float() if adapter is not None else None
         order_q = rope_pair_order(self.num_heads, self.head_dim)
         order_k = rope_pair_order(self.kv_heads, self.head_dim)
-        self.layers = [self._prepare_layer(layer, order_q, order_k, prepack) for layer in decoder.layers]
+        self.layers = [self._prepare_layer(layer, order_q, order_k, prepack, blocks) for layer in decoder.layers]
         self.final_norm = decoder.norm.weight.detach().float()
-        self.lm_head = PackedLinear(model.get_output_embeddings().weight.detach(), prepack=prepack)
+        self.lm_head = PackedLinear(model.get_output_embeddings().weight.detach(), prepack=prepack, blocks=blocks)
         self._rotary = decoder.rotary_emb
         self._rope = torch.empty(0, 1, self.head_dim // 2, dtype=torch.complex64)
         self._rope_lock = threading.Lock()
 
     @classmethod
-    def from_hf(cls, model: Any, *, mask_token_id: int | None, prepack: bool = True) -> FastModel:
+    def from_hf(cls, model: Any, *, mask_token_id: int | None, prepack: bool = True, blocks: bool = True) -> FastModel:
+        """``blocks``: also keep weights that are exactly GGUF quantization blocks as blocks, for short passes
+        (:mod:`agent_mtp.engine.fast.blockq`); False keeps only the float32 GEMM."""
         with torch.no_grad():
-            return cls(model, mask_token_id=mask_token_id, prepack=prepack)
+            return cls(model, mask_token_id=mask_token_id, prepack=prepack, blocks=blocks)
 
     def new_cache(self, capacity: int = 256) -> KVCache:
         return KVCache(len(self.layers), self.kv_heads, self.head_dim, max_length=self.max_length, capacity=capacity)
 
     # -- preparation ----------------------------------------------------------------------------------------
-    def _prepare_layer(self, layer: Any, order_q: torch.Tensor, order_k: torch.Tensor, prepack: bool) -> _Layer:
+    def _prepare_layer(
+        self, layer: Any, order_q: torch.Tensor, order_k: torch.Tensor, prepack: bool, blocks: bool
+    ) -> _Layer:
         attn, mlp = layer.self_attn, layer.mlp
         (wq, bq, lq), (wk, bk, lk), (wv, bv, lv) = (_linear_parts(m) for m in (attn.q_proj, attn.k_proj, attn.v_proj))
         wq, wk = wq[order_q], wk[order_k]
@@ -198,18 +202,20 @@ class FastModel:
                 _cat_bias((bq, bk, bv), sizes),
                 stack_low_rank((lq, lk, lv), sizes),
                 prepack=prepack,
+                blocks=blocks,
             ),
             q_norm=q_norm.weight.detach()[half_order].float() if q_norm is not None else None,
             k_norm=k_norm.weight.detach()[half_order].float() if k_norm is not None else None,
-            o=Projection(wo, bo, stack_low_rank((lo,), (int(wo.shape[0]),)), prepack=prepack),
+            o=Projection(wo, bo, stack_low_rank((lo,), (int(wo.shape[0]),)), prepack=prepack, blocks=blocks),
             post_norm=layer.post_attention_layernorm.weight.detach().float(),
             gate_up=Projection(
                 torch.cat([wg, wu]),
                 _cat_bias((bg, bu), (inter, inter)),
                 stack_low_rank((lg, lu), (inter, inter)),
                 prepack=prepack,
+                blocks=blocks,
             ),
-            down=Projection(wd, bd, stack_low_rank((ld,), (int(wd.shape[0]),)), prepack=prepack),
+            down=Projection(wd, bd, stack_low_rank((ld,), (int(wd.shape[0]),)), prepack=prepack, blocks=blocks),
             inter=inter,
         )
 

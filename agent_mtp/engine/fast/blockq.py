@@ -1,0 +1,225 @@
+"""Linear layers that read a GGUF model's quantization blocks instead of its float32 copy, computing in float32.
+
+The default model ships as a Q4_1 GGUF file: every decoder weight is ``d * q + m`` for a 4-bit ``q`` and per-block
+(32 weights) float16 ``d`` and ``m``, and the tied embedding is Q8_0 (``d * q``, 8-bit ``q``). The float32 model the
+engine loads holds exactly those values, so the blocks can be recovered from it (and checked bit for bit), and a
+kernel that rebuilds each weight in float32 from its block reads 0.75 (Q4_1) or 1.125 (Q8_0) bytes per weight instead
+of 4, for identical weights. A one-token pass is bound by the bytes it reads, so its linear layers take about half
+the time of the pre-packed float32 GEMM here; past a few rows the float32 GEMM is faster (the rebuild is paid per
+row block), so :class:`BlockWeights` is used for passes of up to :data:`MAX_ROWS` rows (measured, see
+``docs/benchmarks.md``).
+
+Every output of the kernel is one fixed sequence of float32 operations, whatever the number of rows, so a row's
+result does not depend on the rows beside it. The kernels are C++ (AVX2 + FMA) compiled once per machine into the
+cache directory with the system compiler; where that is impossible the fast runtime keeps the float32 GEMM.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("agent_mtp.engine.fast")
+
+MAX_ROWS = 2
+"""Passes of at most this many rows read the blocks; longer ones the pre-packed float32 weights. Measured here
+(default model, 2 threads, whole fast-runtime passes on a 300-token context): 1 token 10.4 vs 14.8 ms, 2 tokens 13.4
+vs 15.8, 3 tokens 18.8 vs 16.7, 4 tokens 17.3 vs 17.1 (all linear layers alone: 1 row 6.8 vs 14.6 ms, 2 rows 9.0 vs
+15.5, 3 rows 13.8 vs 16.3, 4 rows 16.7 vs 14.1)."""
+BLOCK = 32
+GROUP = 8
+"""Output features stored together, block-interleaved, so a kernel reads one contiguous stream per group."""
+MAX_EXCEPTION_SHARE = 0.01
+"""Rows that are not block-structured (e.g. an embedding row added for the mask token) are computed in float32
+beside the kernel; more than this share of them means the tensor is not a quantized one."""
+ENV_SWITCH = "AGENT_MTP_BLOCK_WEIGHTS"
+"""Set to 0 to keep the float32 GEMM everywhere (the kernels are then neither compiled nor loaded)."""
+_SOURCE = Path(__file__).with_name("kernels") / "blockq.cpp"
+_FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fPIC", "-shared", "-std=c++20")
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV_SWITCH, "1").strip().lower() not in {"0", "false", "no", "off"}
+
+
+@functools.cache
+def kernels_available() -> bool:
+    """Whether the block kernels are loaded in this process (compiled into the cache directory on first use)."""
+    reason = _unsupported_reason()
+    if reason is None:
+        try:
+            torch.ops.load_library(str(_compiled_library()))
+            return True
+        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+            reason = f"building or loading them failed: {str(e).strip()[:500]}"
+    log.warning("The fast runtime reads float32 weights only: block-weight kernels unavailable (%s).", reason)
+    return False
+
+
+def kernel_tag() -> str:
+    """A short name of the weight path passes take (part of the cost curve's cache key)."""
+    return "blockq1" if enabled() and kernels_available() else "fp32"
+
+
+def _unsupported_reason() -> str | None:
+    if platform.system() != "Linux" or platform.machine().lower() not in {"x86_64", "amd64"}:
+        return f"they are built for Linux x86-64, this is {platform.system()} {platform.machine()}"
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in {"AVX2", "AVX512"}:
+        return f"they need AVX2 and FMA; torch reports CPU capability {capability}"
+    if _compiler() is None:
+        return "no C++ compiler (set CXX, or install g++)"
+    return None
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
+
+
+def _compiled_library() -> Path:
+    from torch.utils import cpp_extension
+
+    from agent_mtp.engine.loading import cache_root
+
+    compiler = _compiler()
+    assert compiler is not None
+    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
+    includes = [f"-I{path}" for path in cpp_extension.include_paths()]
+    libraries = [f"-L{path}" for path in cpp_extension.library_paths()] + ["-lc10", "-ltorch_cpu"]
+    key = hashlib.sha256(
+        b"\0".join(s.encode() for s in (_SOURCE.read_text(), torch.__version__, compiler, abi, *_FLAGS))
+    ).hexdigest()[:16]
+    target = cache_root() / "kernels" / f"blockq-{key}.so"
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    log.info("Compiling the block-weight kernels into %s (one time, a few seconds)", target.parent)
+    fd, staging = tempfile.mkstemp(prefix=".blockq-", suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        command = [compiler, *_FLAGS, abi, *includes, str(_SOURCE), "-o", staging, *libraries]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
+        if done.returncode != 0:
+            raise RuntimeError(f"{Path(compiler).name} exited {done.returncode}: {done.stderr[-1500:]}")
+        os.replace(staging, target)  # atomic: concurrent processes (replicas) never load a half-written file
+    finally:
+        Path(staging).unlink(missing_ok=True)
+    return target
+
+
+def _fp16_exact(t: torch.Tensor) -> torch.Tensor:
+    return t.half().float()
+
+
+def _q4_1_blocks(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Recover (q, d, m) from [rows, n, 32] float32 values; ``ok`` [rows] marks rows rebuilt bit for bit."""
+    low = blocks.amin(-1)
+    scale = _fp16_exact((blocks.amax(-1) - low) / 15)
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))[..., None]
+    q = torch.where(scale[..., None] > 0, torch.round((blocks - low[..., None]) / safe), 0.0).clamp_(0, 15)
+    rebuilt = q * scale[..., None] + low[..., None]  # q * d is exact, so this rounds once, as the kernel's fma
+    ok = (rebuilt == blocks).flatten(1).all(-1) & (_fp16_exact(low) == low).all(-1)
+    return q.to(torch.uint8), scale, low, ok
+
+
+def _q8_0_blocks(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    scale = _fp16_exact(blocks.abs().amax(-1) / 127)
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))[..., None]
+    q = torch.where(scale[..., None] > 0, torch.round(blocks / safe), 0.0).clamp_(-128, 127)
+    ok = (q * scale[..., None] == blocks).flatten(1).all(-1)
+    return q.to(torch.int8), scale, ok
+
+
+def _grouped(t: torch.Tensor) -> torch.Tensor:
+    """[rows, blocks, per_block] -> the kernels' layout [rows / 8, blocks, 8, per_block], flattened to [rows, -1]."""
+    rows, blocks, per_block = t.shape
+    return t.reshape(rows // GROUP, GROUP, blocks, per_block).transpose(1, 2).contiguous().reshape(rows, -1)
+
+
+@dataclass(frozen=True)
+class BlockWeights:
+    """A weight [out, in] held as quantization blocks in the kernels' layout, plus the few float32 rows that are
+    not block-structured (computed with ``F.linear`` and written over the kernel's output)."""
+
+    kind: str
+    """``"q4_1"`` or ``"q8_0"``."""
+    out_features: int
+    qs: torch.Tensor
+    scale: torch.Tensor
+    minimum: torch.Tensor | None
+    exception_rows: torch.Tensor | None
+    exception_weight: torch.Tensor | None
+
+    @property
+    def nbytes(self) -> int:
+        parts = [self.qs, self.scale, self.minimum, self.exception_weight]
+        return sum(p.numel() * p.element_size() for p in parts if p is not None)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [n, in] float32 -> [n, out] float32."""
+        x = x.contiguous()
+        if self.kind == "q4_1":
+            assert self.minimum is not None
+            y = torch.ops.agent_mtp_blockq.q4_1_linear(x, self.qs, self.scale, self.minimum)
+        else:
+            y = torch.ops.agent_mtp_blockq.q8_0_linear(x, self.qs, self.scale)
+        if y.shape[1] != self.out_features:
+            y = y[:, : self.out_features]
+        if self.exception_rows is not None and self.exception_weight is not None:
+            y[:, self.exception_rows] = torch.nn.functional.linear(x, self.exception_weight)
+        return y  # type: ignore[no-any-return]
+
+
+def block_weights(weight: torch.Tensor) -> BlockWeights | None:
+    """``weight`` as Q4_1 or Q8_0 blocks if its float32 values are exactly such blocks (all but at most 1% of its
+    rows), else None. Needs the kernels (see :func:`kernels_available`)."""
+    if not (enabled() and weight.dtype == torch.float32 and weight.dim() == 2 and weight.shape[1] % BLOCK == 0):
+        return None
+    if not kernels_available():
+        return None
+    out_features, in_features = int(weight.shape[0]), int(weight.shape[1])
+    padded = -(-out_features // GROUP) * GROUP
+    dense = weight.detach().contiguous()
+    if padded != out_features:
+        dense = torch.cat([dense, dense.new_zeros(padded - out_features, in_features)])
+    blocks = dense.view(padded, in_features // BLOCK, BLOCK)
+    limit = max(1, int(out_features * MAX_EXCEPTION_SHARE))
+    q4, scale, low, ok = _q4_1_blocks(blocks)
+    if int((~ok).sum()) <= limit:
+        packed = (q4[..., :16] | (q4[..., 16:] << 4)).contiguous()
+        return _with_exceptions("q4_1", weight, packed, scale, low, ok, out_features)
+    q8, scale8, ok8 = _q8_0_blocks(blocks)
+    if int((~ok8).sum()) <= limit:
+        return _with_exceptions("q8_0", weight, q8.view(torch.uint8), scale8, None, ok8, out_features)
+    return None
+
+
+def _with_exceptions(
+    kind: str,
+    weight: torch.Tensor,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    low: torch.Tensor | None,
+    ok: torch.Tensor,
+    out_features: int,
+) -> BlockWeights:
+    bad = (~ok[:out_features]).nonzero().flatten()
+    return BlockWeights(
+        kind=kind,
+        out_features=out_features,
+        qs=_grouped(packed),
+        scale=_grouped(scale[..., None]).reshape(-1),
+        minimum=_grouped(low[..., None]).reshape(-1) if low is not None else None,
+        exception_rows=bad if bad.numel() else None,
+        exception_weight=weight.detach()[bad].float().contiguous() if bad.numel() else None,
+    )

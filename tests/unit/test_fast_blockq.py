@@ -1,0 +1,155 @@
+"""Block-weight kernels: GGUF Q4_1/Q8_0 blocks recovered bit for bit from float32 weights, products close to the
+float32 GEMM and independent of the rows beside them, and the fast runtime on block weights still exact."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from agent_mtp.engine import DecodeConfig, MTPEngine, new_adapter
+from agent_mtp.engine.fast import FastModel, blockq
+from agent_mtp.engine.loading import LoadedModel, ensure_mask_token
+from tests.tiny import tiny_tokenizer
+from tests.unit.test_fast_runtime import _family_model, _random_ids
+
+pytestmark = pytest.mark.skipif(not blockq.kernels_available(), reason="block-weight kernels unavailable here")
+
+
+def q4_1(weight: torch.Tensor) -> torch.Tensor:
+    """What a GGUF Q4_1 file dequantizes to: per block of 32, d = (max - min) / 15 and m = min in float16,
+    q = round((w - m) / d) in 0..15, weight d * q + m in float32."""
+    blocks = weight.reshape(weight.shape[0], -1, 32).float()
+    low = blocks.amin(-1, keepdim=True).half().float()
+    d = ((blocks.amax(-1, keepdim=True) - low) / 15).half().float()
+    q = torch.round((blocks - low) / torch.where(d > 0, d, 1.0)).clamp(0, 15)
+    return (q * d + low).reshape(weight.shape)
+
+
+def q8_0(weight: torch.Tensor) -> torch.Tensor:
+    blocks = weight.reshape(weight.shape[0], -1, 32).float()
+    d = (blocks.abs().amax(-1, keepdim=True) / 127).half().float()
+    q = torch.round(blocks / torch.where(d > 0, d, 1.0)).clamp(-128, 127)
+    return (q * d).reshape(weight.shape)
+
+
+def _quantized_model(family: str, vocab: int) -> Any:
+    model = _family_model(family, vocab)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2 and "embed" not in name and "lm_head" not in name:
+                p.copy_(q4_1(p))
+        model.get_input_embeddings().weight.copy_(q8_0(model.get_input_embeddings().weight))
+        head = model.get_output_embeddings().weight
+        if head.data_ptr() != model.get_input_embeddings().weight.data_ptr():
+            head.copy_(q4_1(head))
+    return model
+
+
+def _engine(family: str, *, adapter: bool) -> MTPEngine:
+    tok = tiny_tokenizer()
+    model = _quantized_model(family, len(tok))
+    mask, mask_id, _ = ensure_mask_token(model, tok, None)  # adds a float32 embedding row: an exception row
+    mtp = None
+    if adapter:
+        mtp = new_adapter(model, base_model="tiny", mask_token=mask, mask_token_id=mask_id, rank=3)
+        gen = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for p in mtp.trainable_parameters():
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+        mtp.requires_grad_(False)
+    return MTPEngine(LoadedModel(model, tok, "tiny-q-" + family, mask, mask_id, False), adapter=mtp)
+
+
+@pytest.fixture(scope="module", params=[("llama", False), ("llama", True), ("qwen3", True)], ids=str)
+def engine(request: pytest.FixtureRequest) -> MTPEngine:
+    family, adapter = request.param
+    return _engine(family, adapter=adapter)
+
+
+def test_q4_1_weights_are_recovered_and_multiplied_in_float32() -> None:
+    weight = q4_1(torch.randn(40, 96))
+    blocks = blockq.block_weights(weight)
+    assert blocks is not None and blocks.kind == "q4_1" and blocks.exception_rows is None
+    assert blocks.nbytes < weight.numel() * weight.element_size() / 4
+    x = torch.randn(5, 96)
+    torch.testing.assert_close(blocks(x), F.linear(x, weight), atol=2e-5, rtol=1e-5)
+
+
+def test_q8_0_weights_with_an_added_row_and_padding() -> None:
+    weight = torch.cat([q8_0(torch.randn(45, 64)), torch.randn(1, 64)])  # 46 rows: padded to 48, one exception
+    blocks = blockq.block_weights(weight)
+    assert blocks is not None and blocks.kind == "q8_0"
+    assert blocks.exception_rows is not None and blocks.exception_rows.tolist() == [45]
+    x = torch.randn(2, 64)
+    y = blocks(x)
+    assert y.shape == (2, 46)
+    torch.testing.assert_close(y, F.linear(x, weight), atol=2e-5, rtol=1e-5)
+
+
+def test_weights_that_are_not_blocks_stay_float32() -> None:
+    assert blockq.block_weights(torch.randn(16, 64)) is None
+    assert blockq.block_weights(q4_1(torch.randn(16, 64)).to(torch.bfloat16)) is None
+    assert blockq.block_weights(torch.randn(16, 48)) is None  # in_features not a multiple of 32
+
+
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it() -> None:
+    blocks = blockq.block_weights(q4_1(torch.randn(24, 128)))
+    assert blocks is not None
+    x = torch.randn(7, 128)
+    together = blocks(x)
+    for n in range(1, 7):
+        assert torch.equal(blocks(x[:n]), together[:n])
+        assert torch.equal(blocks(x[n : n + 1]), together[n : n + 1])
+
+
+def test_kernel_rejects_bad_shapes_with_a_message() -> None:
+    blocks = blockq.block_weights(q4_1(torch.randn(8, 64)))
+    assert blocks is not None
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        torch.ops.agent_mtp_blockq.q4_1_linear(torch.randn(2, 48), blocks.qs, blocks.scale, blocks.minimum)
+
+
+def test_switch_off_keeps_float32(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(blockq.ENV_SWITCH, "0")
+    assert blockq.block_weights(q4_1(torch.randn(8, 64))) is None
+    assert blockq.kernel_tag() == "fp32"
+
+
+def test_fast_model_reads_blocks_on_short_passes(engine: MTPEngine) -> None:
+    fast = FastModel.from_hf(engine.model, mask_token_id=engine.mask_token_id)
+    assert all(layer.qkv.linear.blocks is not None for layer in fast.layers)
+    assert fast.lm_head.blocks is not None and fast.lm_head.blocks.exception_rows is not None  # the mask row
+    assert fast.layers[0].down.linear.reads_blocks(blockq.MAX_ROWS)
+    assert not fast.layers[0].down.linear.reads_blocks(blockq.MAX_ROWS + 1)
+
+
+def test_block_passes_match_hf_and_the_float32_gemm(engine: MTPEngine) -> None:
+    """Every pass shape: a prompt (float32 GEMM), then 1- and 2-token passes (blocks), masks included, rollbacks."""
+    blocks = FastModel.from_hf(engine.model, mask_token_id=engine.mask_token_id)
+    dense = FastModel.from_hf(engine.model, mask_token_id=engine.mask_token_id, blocks=False)
+    ids = _random_ids(20, seed=3)
+    cb, cd = blocks.new_cache(), dense.new_cache()
+    torch.testing.assert_close(blocks.forward(ids, cb, 3), dense.forward(ids, cd, 3), atol=1e-4, rtol=1e-4)
+    mask = engine.mask_token_id
+    for step, tokens in enumerate([[5], [7, mask], [9], [11, 12], [mask, 4]]):
+        a = blocks.forward(tokens, cb, len(tokens))
+        b = dense.forward(tokens, cd, len(tokens))
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+        if step % 2:
+            cb.truncate(cb.length - 1)
+            cd.truncate(cd.length - 1)
+    hf = engine.model(input_ids=torch.tensor([ids])).logits[0, -1]
+    torch.testing.assert_close(blocks.forward(ids, blocks.new_cache(), 1)[0], hf, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["ntp", "verified"])
+def test_greedy_on_block_weights_equals_hf(engine: MTPEngine, mode: str) -> None:
+    hf = engine.with_runtime("hf")
+    for seed in range(3):
+        prompt = _random_ids(5 + 7 * seed, seed)
+        cfg = DecodeConfig(mode="ntp", max_new_tokens=30)
+        expected = hf.generate(prompt, cfg).token_ids
+        assert engine.generate(prompt, cfg.replace(mode=mode, k_max=4)).token_ids == expected, (seed, mode)
