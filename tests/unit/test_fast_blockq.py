@@ -87,6 +87,8 @@ def test_q8_0_weights_with_an_added_row_and_padding() -> None:
     y = blocks(x)
     assert y.shape == (2, 46)
     torch.testing.assert_close(y, F.linear(x, weight), atol=2e-5, rtol=1e-5)
+    extra = torch.randn(3, 64)  # float32 rows computed in the same call, after the block rows (padding dropped)
+    torch.testing.assert_close(blocks(x, extra), F.linear(x, torch.cat([weight, extra])), atol=2e-5, rtol=1e-5)
 
 
 def test_weights_that_are_not_blocks_stay_float32() -> None:

@@ -165,16 +165,18 @@ class BlockWeights:
         parts = [self.qs, self.scale, self.minimum, self.exception_weight]
         return sum(p.numel() * p.element_size() for p in parts if p is not None)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x [n, in] float32 -> [n, out] float32."""
+    def __call__(self, x: torch.Tensor, extra: torch.Tensor | None = None) -> torch.Tensor:
+        """x [n, in] float32 -> [n, out + r] float32, where ``extra`` [r, in] are float32 rows computed in the same
+        call after the block rows (an adapter's low-rank factor rides along at no extra op)."""
         x = x.contiguous()
         if self.kind == "q4_1":
             assert self.minimum is not None
-            y = torch.ops.agent_mtp_blockq.q4_1_linear(x, self.qs, self.scale, self.minimum)
+            y = torch.ops.agent_mtp_blockq.q4_1_linear(x, self.qs, self.scale, self.minimum, extra)
         else:
-            y = torch.ops.agent_mtp_blockq.q8_0_linear(x, self.qs, self.scale)
-        if y.shape[1] != self.out_features:
-            y = y[:, : self.out_features]
+            y = torch.ops.agent_mtp_blockq.q8_0_linear(x, self.qs, self.scale, extra)
+        padded = int(self.qs.shape[0])
+        if padded != self.out_features:
+            y = y[:, : self.out_features] if extra is None else torch.cat([y[:, : self.out_features], y[:, padded:]], 1)
         if self.exception_rows is not None and self.exception_weight is not None:
             y[:, self.exception_rows] = torch.nn.functional.linear(x, self.exception_weight)
         return y  # type: ignore[no-any-return]

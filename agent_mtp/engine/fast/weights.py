@@ -75,10 +75,10 @@ class PackedLinear:
         blocks: bool = True,
         extra_rows: torch.Tensor | None = None,
     ) -> None:
-        """``extra_rows`` [r, in] are appended to ``weight`` in the packed GEMM (not to the blocks: callers that
-        pass them read them with :meth:`extra` on block passes)."""
+        """``extra_rows`` [r, in] (float32, e.g. an adapter's low-rank factor) are appended to ``weight``: the
+        output is [n, out + r] on every path."""
         self.blocks = blockq.block_weights(weight) if blocks else None
-        self.extra_rows = extra_rows
+        self.extra_rows = extra_rows.float().contiguous() if extra_rows is not None else None
         if extra_rows is not None:
             weight = torch.cat([weight, extra_rows.to(weight.dtype)])
             if bias is not None:
@@ -92,16 +92,14 @@ class PackedLinear:
         self.weight = packed if packed is not None else dense
 
     def reads_blocks(self, rows: int) -> bool:
-        """Whether a pass of ``rows`` rows reads the quantization blocks (and so leaves out ``extra_rows``)."""
+        """Whether a pass of ``rows`` rows reads the quantization blocks (else the float32 weights)."""
         return self.blocks is not None and rows <= blockq.MAX_ROWS
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x [n, in] (float32) -> [n, out] (float32); [n, out - extra] on a block pass (see :meth:`reads_blocks`)."""
+        """x [n, in] (float32) -> [n, out] (float32)."""
         if self.blocks is not None and x.shape[0] <= blockq.MAX_ROWS:
-            y = self.blocks(x)
-            if self.bias is not None:
-                y.add_(self.bias[: y.shape[1]])
-            return y
+            y = self.blocks(x, self.extra_rows)
+            return y.add_(self.bias) if self.bias is not None else y
         if self.dtype == torch.float32:
             if self.packed:
                 return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
@@ -150,23 +148,12 @@ class Projection:
         y = self.linear(x)
         if self.b_t is None:
             return y
-        if self.linear.reads_blocks(x.shape[0]):
-            return self._block_delta(x, y, rows)
         out = self.out_features
         if isinstance(rows, slice):
             y[rows, :out].addmm_(y[rows, out:], self.b_t)
         elif rows is not None:
             y[:, :out].index_add_(0, rows, torch.mm(y.index_select(0, rows)[:, out:], self.b_t))
         return y[:, :out]
-
-    def _block_delta(self, x: torch.Tensor, y: torch.Tensor, rows: slice | torch.Tensor | None) -> torch.Tensor:
-        """A block pass left ``A`` out of the GEMM: the delta ``(x A^T) B^T`` is computed for the mask rows alone."""
-        assert self.a is not None and self.b_t is not None
-        if isinstance(rows, slice):
-            y[rows].addmm_(F.linear(x[rows], self.a), self.b_t)
-        elif rows is not None:
-            y.index_add_(0, rows, torch.mm(F.linear(x.index_select(0, rows), self.a), self.b_t))
-        return y
 
 
 def stack_low_rank(

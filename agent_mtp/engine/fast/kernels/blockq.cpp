@@ -13,7 +13,9 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <cstring>
 
 namespace {
@@ -117,34 +119,67 @@ inline void q8_0_kernel(const float* x, int64_t k, const uint8_t* qs, const floa
 }
 
 // y = x W^T over grouped blocks; every output is the same sequence of operations whatever the row count.
+// y[r, e] = dot(x[r], dense[e]) for float32 rows e in [e0, e1) (a few, e.g. an adapter's low-rank factor).
+void dense_rows(const float* x, int64_t rows, int64_t k, const float* dense, int64_t e0, int64_t e1, float* y,
+                int64_t ldy) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t e = e0; e < e1; ++e) {
+      const float* w = dense + e * k;
+      const float* xr = x + r * k;
+      __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+      for (int64_t i = 0; i < k; i += kBlock) {
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(xr + i), _mm256_loadu_ps(w + i), a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(xr + i + 8), _mm256_loadu_ps(w + i + 8), a1);
+        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(xr + i + 16), _mm256_loadu_ps(w + i + 16), a2);
+        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(xr + i + 24), _mm256_loadu_ps(w + i + 24), a3);
+      }
+      y[r * ldy + e] = lane_sum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+    }
+}
+
+// y = x [W; dense]^T: the block-quantized W (groups of 8 features), then the optional float32 rows ``dense``.
 template <template <int, int> class K>
 at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale,
-                          const float* minimum, int64_t bytes_per_block) {
+                          const float* minimum, int64_t bytes_per_block, const std::optional<at::Tensor>& dense) {
   const int64_t rows = x.size(0), k = x.size(1), blocks = k / kBlock;
   const int64_t out_features = scale.numel() / blocks;
-  at::Tensor y = at::empty({rows, out_features}, x.options());
+  const int64_t extra = dense.has_value() ? dense->size(0) : 0;
+  if (extra > 0)
+    TORCH_CHECK(dense->dim() == 2 && dense->size(1) == k && dense->scalar_type() == at::kFloat &&
+                    dense->is_contiguous(),
+                "extra rows must be a contiguous float32 [r, in_features] tensor");
+  const int64_t width = out_features + extra;
+  at::Tensor y = at::empty({rows, width}, x.options());
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const uint8_t* q = qs.data_ptr<uint8_t>();
   const float* d = scale.data_ptr<float>();
-  at::parallel_for(0, out_features / kGroup, 1, [&](int64_t begin, int64_t end) {
+  const float* dp = extra > 0 ? dense->data_ptr<float>() : nullptr;
+  const int64_t groups = out_features / kGroup;
+  const int64_t tasks = groups + (extra + kGroup - 1) / kGroup;
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) {
+      if (g >= groups) {
+        const int64_t e0 = (g - groups) * kGroup;
+        dense_rows(xp, rows, k, dp, e0, std::min(e0 + kGroup, extra), yp + out_features, width);
+        continue;
+      }
       const uint8_t* qg = q + g * blocks * kGroup * bytes_per_block;
       const float* dg = d + g * blocks * kGroup;
       const float* mg = minimum != nullptr ? minimum + g * blocks * kGroup : nullptr;
       float* yg = yp + g * kGroup;
       int64_t r = 0;
       for (; r + 4 <= rows; r += 4)
-        for (int c = 0; c < kGroup; c += 2) K<4, 2>::run(xp + r * k, k, qg, dg, mg, c, yg + r * out_features + c, out_features);
+        for (int c = 0; c < kGroup; c += 2) K<4, 2>::run(xp + r * k, k, qg, dg, mg, c, yg + r * width + c, width);
       switch (rows - r) {
         case 3:
-          for (int c = 0; c < kGroup; c += 2) K<3, 2>::run(xp + r * k, k, qg, dg, mg, c, yg + r * out_features + c, out_features);
+          for (int c = 0; c < kGroup; c += 2) K<3, 2>::run(xp + r * k, k, qg, dg, mg, c, yg + r * width + c, width);
           break;
         case 2:
-          for (int c = 0; c < kGroup; c += 4) K<2, 4>::run(xp + r * k, k, qg, dg, mg, c, yg + r * out_features + c, out_features);
+          for (int c = 0; c < kGroup; c += 4) K<2, 4>::run(xp + r * k, k, qg, dg, mg, c, yg + r * width + c, width);
           break;
         case 1:
-          K<1, 8>::run(xp + r * k, k, qg, dg, mg, 0, yg + r * out_features, out_features);
+          K<1, 8>::run(xp + r * k, k, qg, dg, mg, 0, yg + r * width, width);
           break;
         default:
           break;
@@ -169,25 +204,27 @@ struct Q80 {
   }
 };
 
-at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale, const at::Tensor& minimum) {
+at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale, const at::Tensor& minimum,
+                       const std::optional<at::Tensor>& extra) {
   check_inputs(x, qs, scale, 16);
   TORCH_CHECK(minimum.scalar_type() == at::kFloat && minimum.is_contiguous() && minimum.numel() == scale.numel(),
               "minimum must be a contiguous float32 tensor shaped like scale");
   TORCH_CHECK(qs.size(0) % kGroup == 0, "out_features must be a multiple of 8, got ", qs.size(0));
-  return grouped_linear<Q41>(x, qs, scale, minimum.data_ptr<float>(), 16);
+  return grouped_linear<Q41>(x, qs, scale, minimum.data_ptr<float>(), 16, extra);
 }
 
-at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale) {
+at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale,
+                       const std::optional<at::Tensor>& extra) {
   check_inputs(x, qs, scale, 32);
   TORCH_CHECK(qs.size(0) % kGroup == 0, "out_features must be a multiple of 8, got ", qs.size(0));
-  return grouped_linear<Q80>(x, qs, scale, nullptr, 32);
+  return grouped_linear<Q80>(x, qs, scale, nullptr, 32, extra);
 }
 
 }  // namespace
 
 TORCH_LIBRARY(agent_mtp_blockq, m) {
-  m.def("q4_1_linear(Tensor x, Tensor qs, Tensor scale, Tensor minimum) -> Tensor");
-  m.def("q8_0_linear(Tensor x, Tensor qs, Tensor scale) -> Tensor");
+  m.def("q4_1_linear(Tensor x, Tensor qs, Tensor scale, Tensor minimum, Tensor? extra=None) -> Tensor");
+  m.def("q8_0_linear(Tensor x, Tensor qs, Tensor scale, Tensor? extra=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(agent_mtp_blockq, CPU, m) {
