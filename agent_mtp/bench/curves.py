@@ -18,7 +18,7 @@ import torch
 
 from agent_mtp.engine import MTPEngine
 from agent_mtp.engine.engine import Runtime
-from agent_mtp.engine.fast import unsupported_reason
+from agent_mtp.engine.fast import blockq, unsupported_reason
 
 SIZES = (1, 2, 4, 8, 16)
 
@@ -69,11 +69,14 @@ def _llama_cpp_pass(peer: Any, prefix: list[int]) -> Callable[[int], None]:
 def measure_curves(
     engine: MTPEngine, *, context: int = 300, rounds: int = 5, llama_cpp: Any = None, seed: int = 0
 ) -> CurveReport:
-    """Time n-token passes on every runtime (``engine``'s model on "hf" and "fast", plus ``llama_cpp`` if given)."""
+    """Time n-token passes on every runtime (``engine``'s model on "hf", "fast" and, where the fast runtime reads
+    block weights, "fast-fp32" (float32 GEMM only), plus ``llama_cpp`` if given)."""
     high = min(1000, engine.mask_token_id)
     prefix = [int(t) for t in torch.randint(3, high, (context,), generator=torch.Generator().manual_seed(seed))]
     runtimes: tuple[Runtime, ...] = ("hf", "fast") if unsupported_reason(engine.model) is None else ("hf",)
     passes: dict[str, Callable[[int], None]] = {r: _engine_pass(engine.with_runtime(r), prefix) for r in runtimes}
+    if "fast" in runtimes and blockq.kernel_tag() != "fp32":
+        passes["fast-fp32"] = _engine_pass(engine.with_runtime("fast", block_weights=False), prefix)
     if llama_cpp is not None:
         passes["llama.cpp"] = _llama_cpp_pass(llama_cpp, prefix)
     report = CurveReport(context, torch.get_num_threads(), {name: {} for name in passes})

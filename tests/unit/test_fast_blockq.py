@@ -129,14 +129,15 @@ def test_fast_model_reads_blocks_on_short_passes(engine: MTPEngine) -> None:
 
 
 def test_block_passes_match_hf_and_the_float32_gemm(engine: MTPEngine) -> None:
-    """Every pass shape: a prompt (float32 GEMM), then 1- and 2-token passes (blocks), masks included, rollbacks."""
+    """Every pass shape: a prompt and a 6-token pass (float32 GEMM), 1- to 4-token passes (blocks), masks included,
+    rollbacks."""
     blocks = FastModel.from_hf(engine.model, mask_token_id=engine.mask_token_id)
     dense = FastModel.from_hf(engine.model, mask_token_id=engine.mask_token_id, blocks=False)
     ids = _random_ids(20, seed=3)
     cb, cd = blocks.new_cache(), dense.new_cache()
     torch.testing.assert_close(blocks.forward(ids, cb, 3), dense.forward(ids, cd, 3), atol=1e-4, rtol=1e-4)
     mask = engine.mask_token_id
-    for step, tokens in enumerate([[5], [7, mask], [9], [11, 12], [mask, 4]]):
+    for step, tokens in enumerate([[5], [7, mask], [9, 3, 8], [11, 12], [mask, 4, mask, 6], [1, 2, 3, 4, 5, mask]]):
         a = blocks.forward(tokens, cb, len(tokens))
         b = dense.forward(tokens, cd, len(tokens))
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
@@ -155,3 +156,11 @@ def test_greedy_on_block_weights_equals_hf(engine: MTPEngine, mode: str) -> None
         cfg = DecodeConfig(mode="ntp", max_new_tokens=30)
         expected = hf.generate(prompt, cfg).token_ids
         assert engine.generate(prompt, cfg.replace(mode=mode, k_max=4)).token_ids == expected, (seed, mode)
+
+
+def test_bench_curves_time_the_fast_runtime_with_and_without_block_weights(engine: MTPEngine) -> None:
+    from agent_mtp.bench.curves import SIZES, measure_curves
+
+    report = measure_curves(engine, context=16, rounds=1)
+    assert set(report.ms) == {"hf", "fast", "fast-fp32"}
+    assert all(sorted(curve) == sorted(SIZES) and min(curve.values()) > 0 for curve in report.ms.values())

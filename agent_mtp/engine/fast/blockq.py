@@ -4,9 +4,9 @@ The default model ships as a Q4_1 GGUF file: every decoder weight is ``d * q + m
 (32 weights) float16 ``d`` and ``m``, and the tied embedding is Q8_0 (``d * q``, 8-bit ``q``). The float32 model the
 engine loads holds exactly those values, so the blocks can be recovered from it (and checked bit for bit), and a
 kernel that rebuilds each weight in float32 from its block reads 0.75 (Q4_1) or 1.125 (Q8_0) bytes per weight instead
-of 4, for identical weights. A one-token pass is bound by the bytes it reads, so its linear layers take about half
-the time of the pre-packed float32 GEMM here; past a few rows the float32 GEMM is faster (the rebuild is paid per
-row block), so :class:`BlockWeights` is used for passes of up to :data:`MAX_ROWS` rows (measured, see
+of 4, for identical weights. A one-token pass is bound by the bytes it reads, so its linear layers take less than
+half the time of the pre-packed float32 GEMM here; past a few rows the float32 GEMM is faster (the rebuild is paid
+per block of rows), so :class:`BlockWeights` is used for passes of up to :data:`MAX_ROWS` rows (measured, see
 ``docs/benchmarks.md``).
 
 Every output of the kernel is one fixed sequence of float32 operations, whatever the number of rows, so a row's
@@ -31,11 +31,11 @@ import torch
 
 log = logging.getLogger("agent_mtp.engine.fast")
 
-MAX_ROWS = 2
+MAX_ROWS = 4
 """Passes of at most this many rows read the blocks; longer ones the pre-packed float32 weights. Measured here
-(default model, 2 threads, whole fast-runtime passes on a 300-token context): 1 token 10.4 vs 14.8 ms, 2 tokens 13.4
-vs 15.8, 3 tokens 18.8 vs 16.7, 4 tokens 17.3 vs 17.1 (all linear layers alone: 1 row 6.8 vs 14.6 ms, 2 rows 9.0 vs
-15.5, 3 rows 13.8 vs 16.3, 4 rows 16.7 vs 14.1)."""
+(default model, 2 threads, whole fast-runtime passes on a 300-token context, blocks vs float32 GEMM): 1 token 7.1 vs
+13.8 ms, 2 tokens 9.5 vs 14.9, 3 tokens 13.0 vs 15.9, 4 tokens 14.6 vs 16.3, 5 tokens 18.4 vs 17.2, 8 tokens 23.5 vs
+19.4 (all linear layers alone: 1 row 4.4 vs 10.5 ms, 4 rows 9.8 vs 11.9, 8 rows 17.5 vs 14.0)."""
 BLOCK = 32
 GROUP = 8
 """Output features stored together, block-interleaved, so a kernel reads one contiguous stream per group."""
@@ -45,7 +45,7 @@ beside the kernel; more than this share of them means the tensor is not a quanti
 ENV_SWITCH = "AGENT_MTP_BLOCK_WEIGHTS"
 """Set to 0 to keep the float32 GEMM everywhere (the kernels are then neither compiled nor loaded)."""
 _SOURCE = Path(__file__).with_name("kernels") / "blockq.cpp"
-_FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fPIC", "-shared", "-std=c++20")
+_FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared", "-std=c++20")
 
 
 def enabled() -> bool:
