@@ -91,6 +91,20 @@ def test_q8_0_weights_with_an_added_row_and_padding() -> None:
     torch.testing.assert_close(blocks(x, extra), F.linear(x, torch.cat([weight, extra])), atol=2e-5, rtol=1e-5)
 
 
+def test_products_added_into_a_residual_in_the_kernel() -> None:
+    weight = q4_1(torch.randn(32, 64))
+    blocks = blockq.block_weights(weight)
+    assert blocks is not None and blocks.accumulates
+    x, residual, extra = torch.randn(3, 64), torch.randn(3, 32), torch.randn(2, 64)
+    expected = residual + F.linear(x, weight)
+    low = blocks.add_into(residual, x, extra)
+    torch.testing.assert_close(residual, expected, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(low, F.linear(x, extra), atol=2e-5, rtol=1e-5)
+    assert blocks.add_into(residual, x).shape == (3, 0)
+    padded = blockq.block_weights(q4_1(torch.randn(20, 64)))
+    assert padded is not None and not padded.accumulates  # padding rows would land in the residual
+
+
 def test_weights_that_are_not_blocks_stay_float32() -> None:
     assert blockq.block_weights(torch.randn(16, 64)) is None
     assert blockq.block_weights(q4_1(torch.randn(16, 64)).to(torch.bfloat16)) is None

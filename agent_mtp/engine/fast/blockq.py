@@ -165,6 +165,20 @@ class BlockWeights:
         parts = [self.qs, self.scale, self.minimum, self.exception_weight]
         return sum(p.numel() * p.element_size() for p in parts if p is not None)
 
+    @property
+    def accumulates(self) -> bool:
+        """Whether :meth:`add_into` can add into a residual in place (no padding, no float32 exception rows)."""
+        return int(self.qs.shape[0]) == self.out_features and self.exception_rows is None
+
+    def add_into(self, residual: torch.Tensor, x: torch.Tensor, extra: torch.Tensor | None = None) -> torch.Tensor:
+        """``residual += x W^T`` in place, in the kernel (one op instead of a product and an add); returns the
+        ``extra`` rows' products [n, r] ([n, 0] without). Needs :attr:`accumulates`."""
+        x = x.contiguous()
+        if self.kind == "q4_1":
+            assert self.minimum is not None
+            return torch.ops.agent_mtp_blockq.q4_1_linear(x, self.qs, self.scale, self.minimum, extra, residual)  # type: ignore[no-any-return]
+        return torch.ops.agent_mtp_blockq.q8_0_linear(x, self.qs, self.scale, extra, residual)  # type: ignore[no-any-return]
+
     def __call__(self, x: torch.Tensor, extra: torch.Tensor | None = None) -> torch.Tensor:
         """x [n, in] float32 -> [n, out + r] float32, where ``extra`` [r, in] are float32 rows computed in the same
         call after the block rows (an adapter's low-rank factor rides along at no extra op)."""

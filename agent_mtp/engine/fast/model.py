@@ -293,12 +293,12 @@ class FastModel:
         torch.view_as_complex(qk).mul_(rope)
         parts = [self._attend_segment(qkv, seg, index) for seg in segments]
         attended = parts[0] if len(parts) == 1 else torch.cat(parts)  # [N, q]
-        x.add_(layer.o(attended, rows))
+        layer.o.add_into(x, attended, rows)
         h = F.rms_norm(x, (hidden,), layer.post_norm, self.eps)
         gate_up = layer.gate_up(h, rows)  # [N, 2 I]
         act = F.silu(gate_up[:, : layer.inter])
         act.mul_(gate_up[:, layer.inter :])
-        x.add_(layer.down(act, rows))
+        layer.down.add_into(x, act, rows)
 
     def _attend_segment(self, qkv: torch.Tensor, seg: _Segment, index: int) -> torch.Tensor:
         """Write one sequence's new keys/values into its cache, attend its queries to its cache: [n, q]."""

@@ -95,6 +95,20 @@ class PackedLinear:
         """Whether a pass of ``rows`` rows reads the quantization blocks (else the float32 weights)."""
         return self.blocks is not None and rows <= blockq.MAX_ROWS
 
+    def add_into(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
+        """``residual[:, :out] += x W^T + b`` in place (fused into the kernel on block passes); returns the
+        ``extra_rows``' products [n, r] (None without extra rows)."""
+        blocks = self.blocks
+        if blocks is not None and blocks.accumulates and x.shape[0] <= blockq.MAX_ROWS:
+            extra = blocks.add_into(residual, x, self.extra_rows)
+            if self.bias is not None:
+                residual.add_(self.bias[: blocks.out_features])
+            return extra if self.extra_rows is not None else None
+        y = self(x)
+        width = residual.shape[1]
+        residual.add_(y[:, :width])
+        return y[:, width:] if self.extra_rows is not None else None
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [n, in] (float32) -> [n, out] (float32)."""
         if self.blocks is not None and x.shape[0] <= blockq.MAX_ROWS:
@@ -154,6 +168,17 @@ class Projection:
         elif rows is not None:
             y[:, :out].index_add_(0, rows, torch.mm(y.index_select(0, rows)[:, out:], self.b_t))
         return y[:, :out]
+
+    def add_into(self, residual: torch.Tensor, x: torch.Tensor, rows: slice | torch.Tensor | None) -> None:
+        """``residual += self(x, rows)`` in place: the GEMM adds into the residual (in the kernel on block passes),
+        then the adapter's delta is added at the mask rows."""
+        low = self.linear.add_into(residual, x)
+        if self.b_t is None or low is None:
+            return
+        if isinstance(rows, slice):
+            residual[rows].addmm_(low[rows], self.b_t)
+        elif rows is not None:
+            residual.index_add_(0, rows, torch.mm(low.index_select(0, rows), self.b_t))
 
 
 def stack_low_rank(

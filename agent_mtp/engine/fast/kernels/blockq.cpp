@@ -53,7 +53,7 @@ constexpr int64_t kGroup = 8;
 // Rows r0..r0+R against the C features c0..c0+C of one group (Q4_1): y[r, c] = dot(x[r], w[c]).
 template <int R, int C>
 inline void q4_1_kernel(const float* x, int64_t k, const uint8_t* qs, const float* d, const float* m, int c0,
-                        float* y, int64_t ldy) {
+                        float* y, int64_t ldy, bool add) {
   const int64_t blocks = k / kBlock;
   __m256 acc[R][C];
   for (int r = 0; r < R; ++r)
@@ -86,13 +86,13 @@ inline void q4_1_kernel(const float* x, int64_t k, const uint8_t* qs, const floa
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) y[r * ldy + c] = lane_sum(acc[r][c]);
+    for (int c = 0; c < C; ++c) y[r * ldy + c] = add ? y[r * ldy + c] + lane_sum(acc[r][c]) : lane_sum(acc[r][c]);
 }
 
 // Rows r0..r0+R against the C features c0..c0+C of one group (Q8_0).
 template <int R, int C>
 inline void q8_0_kernel(const float* x, int64_t k, const uint8_t* qs, const float* d, const float* /*m*/, int c0,
-                        float* y, int64_t ldy) {
+                        float* y, int64_t ldy, bool add) {
   const int64_t blocks = k / kBlock;
   __m256 acc[R][C];
   for (int r = 0; r < R; ++r)
@@ -115,7 +115,7 @@ inline void q8_0_kernel(const float* x, int64_t k, const uint8_t* qs, const floa
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) y[r * ldy + c] = lane_sum(acc[r][c]);
+    for (int c = 0; c < C; ++c) y[r * ldy + c] = add ? y[r * ldy + c] + lane_sum(acc[r][c]) : lane_sum(acc[r][c]);
 }
 
 // y = x W^T over grouped blocks; every output is the same sequence of operations whatever the row count.
@@ -140,7 +140,8 @@ void dense_rows(const float* x, int64_t rows, int64_t k, const float* dense, int
 // y = x [W; dense]^T: the block-quantized W (groups of 8 features), then the optional float32 rows ``dense``.
 template <template <int, int> class K>
 at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale,
-                          const float* minimum, int64_t bytes_per_block, const std::optional<at::Tensor>& dense) {
+                          const float* minimum, int64_t bytes_per_block, const std::optional<at::Tensor>& dense,
+                          const std::optional<at::Tensor>& residual) {
   const int64_t rows = x.size(0), k = x.size(1), blocks = k / kBlock;
   const int64_t out_features = scale.numel() / blocks;
   const int64_t extra = dense.has_value() ? dense->size(0) : 0;
@@ -148,10 +149,19 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& qs, const at::T
     TORCH_CHECK(dense->dim() == 2 && dense->size(1) == k && dense->scalar_type() == at::kFloat &&
                     dense->is_contiguous(),
                 "extra rows must be a contiguous float32 [r, in_features] tensor");
-  const int64_t width = out_features + extra;
+  const bool add = residual.has_value();
+  if (add)
+    TORCH_CHECK(residual->dim() == 2 && residual->size(0) == rows && residual->size(1) == out_features &&
+                    residual->scalar_type() == at::kFloat && residual->stride(1) == 1,
+                "residual must be a float32 [rows, out_features] tensor with unit column stride");
+  // With a residual, the block rows' products are added into it and y holds only the extra rows' products.
+  const int64_t width = add ? extra : out_features + extra;
   at::Tensor y = at::empty({rows, width}, x.options());
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
+  float* op = add ? residual->data_ptr<float>() : yp;
+  const int64_t ldo = add ? residual->stride(0) : width;
+  const int64_t extra_at = add ? 0 : out_features;
   const uint8_t* q = qs.data_ptr<uint8_t>();
   const float* d = scale.data_ptr<float>();
   const float* dp = extra > 0 ? dense->data_ptr<float>() : nullptr;
@@ -161,25 +171,25 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& qs, const at::T
     for (int64_t g = begin; g < end; ++g) {
       if (g >= groups) {
         const int64_t e0 = (g - groups) * kGroup;
-        dense_rows(xp, rows, k, dp, e0, std::min(e0 + kGroup, extra), yp + out_features, width);
+        dense_rows(xp, rows, k, dp, e0, std::min(e0 + kGroup, extra), yp + extra_at, width);
         continue;
       }
       const uint8_t* qg = q + g * blocks * kGroup * bytes_per_block;
       const float* dg = d + g * blocks * kGroup;
       const float* mg = minimum != nullptr ? minimum + g * blocks * kGroup : nullptr;
-      float* yg = yp + g * kGroup;
+      float* og = op + g * kGroup;
       int64_t r = 0;
       for (; r + 4 <= rows; r += 4)
-        for (int c = 0; c < kGroup; c += 2) K<4, 2>::run(xp + r * k, k, qg, dg, mg, c, yg + r * width + c, width);
+        for (int c = 0; c < kGroup; c += 2) K<4, 2>::run(xp + r * k, k, qg, dg, mg, c, og + r * ldo + c, ldo, add);
       switch (rows - r) {
         case 3:
-          for (int c = 0; c < kGroup; c += 2) K<3, 2>::run(xp + r * k, k, qg, dg, mg, c, yg + r * width + c, width);
+          for (int c = 0; c < kGroup; c += 2) K<3, 2>::run(xp + r * k, k, qg, dg, mg, c, og + r * ldo + c, ldo, add);
           break;
         case 2:
-          for (int c = 0; c < kGroup; c += 4) K<2, 4>::run(xp + r * k, k, qg, dg, mg, c, yg + r * width + c, width);
+          for (int c = 0; c < kGroup; c += 4) K<2, 4>::run(xp + r * k, k, qg, dg, mg, c, og + r * ldo + c, ldo, add);
           break;
         case 1:
-          K<1, 8>::run(xp + r * k, k, qg, dg, mg, 0, yg + r * width, width);
+          K<1, 8>::run(xp + r * k, k, qg, dg, mg, 0, og + r * ldo, ldo, add);
           break;
         default:
           break;
@@ -192,39 +202,40 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& qs, const at::T
 template <int R, int C>
 struct Q41 {
   static void run(const float* x, int64_t k, const uint8_t* q, const float* d, const float* m, int c, float* y,
-                  int64_t ldy) {
-    q4_1_kernel<R, C>(x, k, q, d, m, c, y, ldy);
+                  int64_t ldy, bool add) {
+    q4_1_kernel<R, C>(x, k, q, d, m, c, y, ldy, add);
   }
 };
 template <int R, int C>
 struct Q80 {
   static void run(const float* x, int64_t k, const uint8_t* q, const float* d, const float* m, int c, float* y,
-                  int64_t ldy) {
-    q8_0_kernel<R, C>(x, k, q, d, m, c, y, ldy);
+                  int64_t ldy, bool add) {
+    q8_0_kernel<R, C>(x, k, q, d, m, c, y, ldy, add);
   }
 };
 
 at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale, const at::Tensor& minimum,
-                       const std::optional<at::Tensor>& extra) {
+                       const std::optional<at::Tensor>& extra, const std::optional<at::Tensor>& residual) {
   check_inputs(x, qs, scale, 16);
   TORCH_CHECK(minimum.scalar_type() == at::kFloat && minimum.is_contiguous() && minimum.numel() == scale.numel(),
               "minimum must be a contiguous float32 tensor shaped like scale");
   TORCH_CHECK(qs.size(0) % kGroup == 0, "out_features must be a multiple of 8, got ", qs.size(0));
-  return grouped_linear<Q41>(x, qs, scale, minimum.data_ptr<float>(), 16, extra);
+  return grouped_linear<Q41>(x, qs, scale, minimum.data_ptr<float>(), 16, extra, residual);
 }
 
 at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale,
-                       const std::optional<at::Tensor>& extra) {
+                       const std::optional<at::Tensor>& extra, const std::optional<at::Tensor>& residual) {
   check_inputs(x, qs, scale, 32);
   TORCH_CHECK(qs.size(0) % kGroup == 0, "out_features must be a multiple of 8, got ", qs.size(0));
-  return grouped_linear<Q80>(x, qs, scale, nullptr, 32, extra);
+  return grouped_linear<Q80>(x, qs, scale, nullptr, 32, extra, residual);
 }
 
 }  // namespace
 
 TORCH_LIBRARY(agent_mtp_blockq, m) {
-  m.def("q4_1_linear(Tensor x, Tensor qs, Tensor scale, Tensor minimum, Tensor? extra=None) -> Tensor");
-  m.def("q8_0_linear(Tensor x, Tensor qs, Tensor scale, Tensor? extra=None) -> Tensor");
+  // residual: add the block rows' products into it (in place; the result then holds only the extra rows').
+  m.def("q4_1_linear(Tensor x, Tensor qs, Tensor scale, Tensor minimum, Tensor? extra=None, Tensor(a!)? residual=None) -> Tensor");
+  m.def("q8_0_linear(Tensor x, Tensor qs, Tensor scale, Tensor? extra=None, Tensor(a!)? residual=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(agent_mtp_blockq, CPU, m) {
