@@ -105,6 +105,15 @@ def test_products_added_into_a_residual_in_the_kernel() -> None:
     assert padded is not None and not padded.accumulates  # padding rows would land in the residual
 
 
+def test_rms_norm_inside_the_kernel_matches_torch() -> None:
+    weight = q4_1(torch.randn(16, 96))
+    blocks = blockq.block_weights(weight)
+    assert blocks is not None
+    x, gain = torch.randn(3, 96) * 4, torch.randn(96)
+    expected = F.linear(F.rms_norm(x, (96,), gain, 1e-6), weight)
+    torch.testing.assert_close(blocks(x, norm=(gain, 1e-6)), expected, atol=2e-5, rtol=1e-5)
+
+
 def test_weights_that_are_not_blocks_stay_float32() -> None:
     assert blockq.block_weights(torch.randn(16, 64)) is None
     assert blockq.block_weights(q4_1(torch.randn(16, 64)).to(torch.bfloat16)) is None

@@ -146,6 +146,10 @@ def _grouped(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(rows // GROUP, GROUP, blocks, per_block).transpose(1, 2).contiguous().reshape(rows, -1)
 
 
+Norm = tuple[torch.Tensor, float]
+"""An RMS norm applied to a GEMM's input: (weight [in], eps)."""
+
+
 @dataclass(frozen=True)
 class BlockWeights:
     """A weight [out, in] held as quantization blocks in the kernels' layout, plus the few float32 rows that are
@@ -179,15 +183,17 @@ class BlockWeights:
             return torch.ops.agent_mtp_blockq.q4_1_linear(x, self.qs, self.scale, self.minimum, extra, residual)  # type: ignore[no-any-return]
         return torch.ops.agent_mtp_blockq.q8_0_linear(x, self.qs, self.scale, extra, residual)  # type: ignore[no-any-return]
 
-    def __call__(self, x: torch.Tensor, extra: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, extra: torch.Tensor | None = None, norm: Norm | None = None) -> torch.Tensor:
         """x [n, in] float32 -> [n, out + r] float32, where ``extra`` [r, in] are float32 rows computed in the same
-        call after the block rows (an adapter's low-rank factor rides along at no extra op)."""
+        call after the block rows (an adapter's low-rank factor rides along at no extra op); with ``norm`` (weight,
+        eps) the rows multiplied are ``rms_norm(x) * weight``, normalised in the same call."""
         x = x.contiguous()
+        weight, eps = norm if norm is not None else (None, 1e-5)
         if self.kind == "q4_1":
             assert self.minimum is not None
-            y = torch.ops.agent_mtp_blockq.q4_1_linear(x, self.qs, self.scale, self.minimum, extra)
+            y = torch.ops.agent_mtp_blockq.q4_1_linear(x, self.qs, self.scale, self.minimum, extra, None, weight, eps)
         else:
-            y = torch.ops.agent_mtp_blockq.q8_0_linear(x, self.qs, self.scale, extra)
+            y = torch.ops.agent_mtp_blockq.q8_0_linear(x, self.qs, self.scale, extra, None, weight, eps)
         padded = int(self.qs.shape[0])
         if padded != self.out_features:
             y = y[:, : self.out_features] if extra is None else torch.cat([y[:, : self.out_features], y[:, padded:]], 1)

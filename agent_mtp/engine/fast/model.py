@@ -284,9 +284,8 @@ class FastModel:
         rope: torch.Tensor,
         rows: slice | torch.Tensor | None,
     ) -> None:
-        n, hidden = x.shape
-        h = F.rms_norm(x, (hidden,), layer.input_norm, self.eps)
-        qkv = layer.qkv(h, rows)  # [N, q + 2 kv]
+        n = x.shape[0]
+        qkv = layer.qkv(x, rows, norm=(layer.input_norm, self.eps))  # [N, q + 2 kv] of rms_norm(x)
         if layer.q_norm is not None and layer.k_norm is not None:
             self._qk_norm(qkv, layer.q_norm, layer.k_norm)
         qk = qkv[:, : self.q_dim + self.kv_dim].view(n, self.num_heads + self.kv_heads, self.head_dim // 2, 2)
@@ -294,8 +293,7 @@ class FastModel:
         parts = [self._attend_segment(qkv, seg, index) for seg in segments]
         attended = parts[0] if len(parts) == 1 else torch.cat(parts)  # [N, q]
         layer.o.add_into(x, attended, rows)
-        h = F.rms_norm(x, (hidden,), layer.post_norm, self.eps)
-        gate_up = layer.gate_up(h, rows)  # [N, 2 I]
+        gate_up = layer.gate_up(x, rows, norm=(layer.post_norm, self.eps))  # [N, 2 I] of rms_norm(x)
         act = F.silu(gate_up[:, : layer.inter])
         act.mul_(gate_up[:, layer.inter :])
         layer.down.add_into(x, act, rows)

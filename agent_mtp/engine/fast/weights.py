@@ -109,11 +109,14 @@ class PackedLinear:
         residual.add_(y[:, :width])
         return y[:, width:] if self.extra_rows is not None else None
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x [n, in] (float32) -> [n, out] (float32)."""
+    def __call__(self, x: torch.Tensor, norm: blockq.Norm | None = None) -> torch.Tensor:
+        """x [n, in] (float32) -> [n, out] (float32); with ``norm`` (weight, eps) the input is ``rms_norm(x) *
+        weight`` (normalised inside the kernel on block passes)."""
         if self.blocks is not None and x.shape[0] <= blockq.MAX_ROWS:
-            y = self.blocks(x, self.extra_rows)
+            y = self.blocks(x, self.extra_rows, norm)
             return y.add_(self.bias) if self.bias is not None else y
+        if norm is not None:
+            x = F.rms_norm(x, (x.shape[-1],), norm[0], norm[1])
         if self.dtype == torch.float32:
             if self.packed:
                 return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
@@ -157,9 +160,12 @@ class Projection:
             self.b_t = b_t.contiguous()
         self.linear = PackedLinear(weight, bias, prepack=prepack, blocks=blocks, extra_rows=self.a)
 
-    def __call__(self, x: torch.Tensor, rows: slice | torch.Tensor | None) -> torch.Tensor:
-        """x [n, in] -> [n, out]; ``rows``: the mask rows (a slice when contiguous, else indices) or None."""
-        y = self.linear(x)
+    def __call__(
+        self, x: torch.Tensor, rows: slice | torch.Tensor | None, norm: blockq.Norm | None = None
+    ) -> torch.Tensor:
+        """x [n, in] -> [n, out]; ``rows``: the mask rows (a slice when contiguous, else indices) or None; ``norm``:
+        an RMS norm (weight, eps) applied to x first."""
+        y = self.linear(x, norm)
         if self.b_t is None:
             return y
         out = self.out_features

@@ -14,6 +14,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <optional>
 #include <cstring>
@@ -137,12 +138,39 @@ void dense_rows(const float* x, int64_t rows, int64_t k, const float* dense, int
     }
 }
 
+// h = rms_norm(x) * weight, row by row: (x * (1 / sqrt(mean(x^2) + eps))) * weight, as torch's rms_norm orders it.
+at::Tensor rms_normed(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.numel() == x.size(1),
+              "norm weight must be a contiguous float32 [in_features] tensor");
+  const int64_t rows = x.size(0), k = x.size(1);
+  at::Tensor h = at::empty({rows, k}, x.options());
+  const float* w = weight.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x.data_ptr<float>() + r * k;
+    float* hr = h.data_ptr<float>() + r * k;
+    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+    for (int64_t i = 0; i < k; i += 16) {
+      const __m256 a = _mm256_loadu_ps(xr + i), b = _mm256_loadu_ps(xr + i + 8);
+      s0 = _mm256_fmadd_ps(a, a, s0);
+      s1 = _mm256_fmadd_ps(b, b, s1);
+    }
+    const float mean = lane_sum(_mm256_add_ps(s0, s1)) / static_cast<float>(k);
+    const __m256 inv = _mm256_set1_ps(1.0f / std::sqrt(mean + static_cast<float>(eps)));
+    for (int64_t i = 0; i < k; i += 8)
+      _mm256_storeu_ps(hr + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(xr + i), inv), _mm256_loadu_ps(w + i)));
+  }
+  return h;
+}
+
 // y = x [W; dense]^T: the block-quantized W (groups of 8 features), then the optional float32 rows ``dense``.
 template <template <int, int> class K>
 at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale,
                           const float* minimum, int64_t bytes_per_block, const std::optional<at::Tensor>& dense,
-                          const std::optional<at::Tensor>& residual) {
+                          const std::optional<at::Tensor>& residual, const std::optional<at::Tensor>& norm,
+                          double eps) {
   const int64_t rows = x.size(0), k = x.size(1), blocks = k / kBlock;
+  // With a norm weight, the rows multiplied are rms_norm(x) * norm (one call instead of a norm op and a product).
+  const at::Tensor input = norm.has_value() ? rms_normed(x, *norm, eps) : x;
   const int64_t out_features = scale.numel() / blocks;
   const int64_t extra = dense.has_value() ? dense->size(0) : 0;
   if (extra > 0)
@@ -157,7 +185,7 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& qs, const at::T
   // With a residual, the block rows' products are added into it and y holds only the extra rows' products.
   const int64_t width = add ? extra : out_features + extra;
   at::Tensor y = at::empty({rows, width}, x.options());
-  const float* xp = x.data_ptr<float>();
+  const float* xp = input.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   float* op = add ? residual->data_ptr<float>() : yp;
   const int64_t ldo = add ? residual->stride(0) : width;
@@ -215,27 +243,34 @@ struct Q80 {
 };
 
 at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale, const at::Tensor& minimum,
-                       const std::optional<at::Tensor>& extra, const std::optional<at::Tensor>& residual) {
+                       const std::optional<at::Tensor>& extra, const std::optional<at::Tensor>& residual,
+                       const std::optional<at::Tensor>& norm, double eps) {
   check_inputs(x, qs, scale, 16);
   TORCH_CHECK(minimum.scalar_type() == at::kFloat && minimum.is_contiguous() && minimum.numel() == scale.numel(),
               "minimum must be a contiguous float32 tensor shaped like scale");
   TORCH_CHECK(qs.size(0) % kGroup == 0, "out_features must be a multiple of 8, got ", qs.size(0));
-  return grouped_linear<Q41>(x, qs, scale, minimum.data_ptr<float>(), 16, extra, residual);
+  return grouped_linear<Q41>(x, qs, scale, minimum.data_ptr<float>(), 16, extra, residual, norm, eps);
 }
 
 at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale,
-                       const std::optional<at::Tensor>& extra, const std::optional<at::Tensor>& residual) {
+                       const std::optional<at::Tensor>& extra, const std::optional<at::Tensor>& residual,
+                       const std::optional<at::Tensor>& norm, double eps) {
   check_inputs(x, qs, scale, 32);
   TORCH_CHECK(qs.size(0) % kGroup == 0, "out_features must be a multiple of 8, got ", qs.size(0));
-  return grouped_linear<Q80>(x, qs, scale, nullptr, 32, extra, residual);
+  return grouped_linear<Q80>(x, qs, scale, nullptr, 32, extra, residual, norm, eps);
 }
 
 }  // namespace
 
 TORCH_LIBRARY(agent_mtp_blockq, m) {
-  // residual: add the block rows' products into it (in place; the result then holds only the extra rows').
-  m.def("q4_1_linear(Tensor x, Tensor qs, Tensor scale, Tensor minimum, Tensor? extra=None, Tensor(a!)? residual=None) -> Tensor");
-  m.def("q8_0_linear(Tensor x, Tensor qs, Tensor scale, Tensor? extra=None, Tensor(a!)? residual=None) -> Tensor");
+  // extra: float32 rows multiplied after the block rows; residual: add the block rows' products into it (in place;
+  // the result then holds only the extra rows'); norm: multiply rms_norm(x, eps) * norm instead of x.
+  m.def(
+      "q4_1_linear(Tensor x, Tensor qs, Tensor scale, Tensor minimum, Tensor? extra=None, Tensor(a!)? residual=None, "
+      "Tensor? norm=None, float eps=1e-5) -> Tensor");
+  m.def(
+      "q8_0_linear(Tensor x, Tensor qs, Tensor scale, Tensor? extra=None, Tensor(a!)? residual=None, "
+      "Tensor? norm=None, float eps=1e-5) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(agent_mtp_blockq, CPU, m) {
