@@ -10,6 +10,7 @@ from agent_mtp.bench.core import load_suite
 from agent_mtp.bench.hf import BaselineModels, hf_generate
 from agent_mtp.bench.llamacpp import unavailable_reason
 from agent_mtp.engine import DecodeConfig, MTPEngine
+from agent_mtp.engine.fast import blockq
 
 PROMPTS = load_suite("quick")
 
@@ -31,6 +32,23 @@ def test_fast_ntp_and_verified_equal_hf_generate(default_engine: MTPEngine, prom
     verified = default_engine.generate(ids, DecodeConfig(mode="verified", k_max=4, max_new_tokens=n)).token_ids
     assert ntp == expected
     assert verified == expected
+
+
+@pytest.mark.skipif(not blockq.kernels_available(), reason="block-weight kernels unavailable here")
+def test_default_model_runs_on_its_gguf_blocks(default_engine: MTPEngine) -> None:
+    """Every decoder GEMM and the lm_head of the default model are recovered as GGUF blocks (Q4_1 / Q8_0), and
+    short passes (masks and the adapter included) match the float32 GEMM."""
+    fast = default_engine.new_runner().model  # type: ignore[attr-defined]
+    assert all(layer.gate_up.linear.blocks is not None for layer in fast.layers)
+    assert {layer.qkv.linear.blocks.kind for layer in fast.layers} == {"q4_1"}
+    assert fast.lm_head.blocks is not None and fast.lm_head.blocks.kind == "q8_0"
+    dense = default_engine.with_runtime("fast", block_weights=False)
+    m = default_engine.mask_token_id
+    ids = default_engine.encode_prompt("List three fruits as a markdown list.")
+    a, b = default_engine.new_runner(), dense.new_runner()
+    torch.testing.assert_close(a.forward(ids, 1), b.forward(ids, 1), atol=1e-4, rtol=1e-4)
+    for feed in ([ids[-1]], [5, m], [7, m, m, m]):
+        torch.testing.assert_close(a.forward(feed, len(feed)), b.forward(feed, len(feed)), atol=5e-4, rtol=1e-4)
 
 
 def test_fast_logits_close_to_hf_with_adapter(default_engine: MTPEngine) -> None:

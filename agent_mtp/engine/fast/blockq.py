@@ -207,8 +207,11 @@ def block_weights(weight: torch.Tensor) -> BlockWeights | None:
     rows), else None. Needs the kernels (see :func:`kernels_available`)."""
     if not (enabled() and weight.dtype == torch.float32 and weight.dim() == 2 and weight.shape[1] % BLOCK == 0):
         return None
-    if not kernels_available():
-        return None
+    found = _recover_blocks(weight)
+    return found if found is not None and kernels_available() else None  # compile only for weights that are blocks
+
+
+def _recover_blocks(weight: torch.Tensor) -> BlockWeights | None:
     out_features, in_features = int(weight.shape[0]), int(weight.shape[1])
     padded = -(-out_features // GROUP) * GROUP
     dense = weight.detach().contiguous()
