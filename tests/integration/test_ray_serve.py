@@ -189,15 +189,19 @@ class Load:
     _threads: list[threading.Thread] = field(default_factory=list)
     _streaming: dict[int, str] = field(default_factory=dict)
     """Client index -> the replica whose stream it is reading now (its first event came, its last not yet)."""
+    _events: dict[int, int] = field(default_factory=dict)
+    """Client index -> events its current stream has delivered so far."""
 
-    def replica_mid_stream(self, timeout_s: float = 30.0) -> str:
-        """A replica that is streaming to a client right now: killing it meets a request in flight."""
+    def replica_mid_stream(self, timeout_s: float = 30.0, early: int = 24) -> str:
+        """A replica streaming to a client right now, early in its stream (at most ``early`` events delivered, so
+        most of it is still to generate): killing it meets a request in flight."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             with self._lock:
-                if self._streaming:
-                    return next(iter(self._streaming.values()))
-            time.sleep(0.005)
+                for index, replica in self._streaming.items():
+                    if self._events.get(index, 0) <= early:
+                        return replica
+            time.sleep(0.002)
         raise AssertionError(f"no stream was under way within {timeout_s} s")
 
     def __enter__(self) -> Load:
@@ -219,8 +223,10 @@ class Load:
             with self._lock:
                 if replica is None:
                     self._streaming.pop(index, None)
+                    self._events.pop(index, None)
                 else:
                     self._streaming[index] = replica
+                    self._events[index] = self._events.get(index, 0) + 1
 
         with httpx.Client(timeout=60) as client:
             while not self._stop.is_set():
@@ -233,6 +239,7 @@ class Load:
                     outcome = f"connection {type(e).__name__}"
                 with self._lock:
                     self._streaming.pop(index, None)
+                    self._events.pop(index, None)
                     if outcome == "ok":
                         self.ok += 1
                     else:
@@ -358,9 +365,10 @@ def _until_every_replica_answered(
 
 def test_a_replica_killed_under_load_fails_only_retryably_and_loses_no_recorded_count(fleet: Fleet) -> None:
     replicas = fleet.replicas(2)
-    # longer requests, half of them streaming; the victim is a replica streaming to a client at that moment, so
-    # the kill always meets a request in flight
-    with Load(fleet.base, clients=6, body={**BODY, "max_tokens": 48}, stream_every=2) as load:
+    # longer requests, half of them streaming; the victim is a replica streaming to a client at that moment, and a
+    # stream is long enough (hundreds of tokens, the tiny model rarely stops early) to still be generating when the
+    # kill lands: the kill always meets a request in flight
+    with Load(fleet.base, clients=6, body={**BODY, "max_tokens": 320}, stream_every=2) as load:
         time.sleep(4)
         recorded_before = fleet.requests()
         victim = load.replica_mid_stream()

@@ -2,8 +2,9 @@
 //
 // The default model ships as a GGUF file whose decoder weights are Q4_1 (per block of 32: w = d * q + m, q in 0..15)
 // and whose embedding is Q8_0 (w = d * q, q in -128..127). Its float32 weights are exactly those values, so reading
-// the blocks instead of the float32 copy reads ~5x fewer bytes for bit-identical weights: each tile of weights is
-// rebuilt in float32 (the same multiply and add as the GGUF dequantizer, never fused) and multiplied in float32.
+// the blocks instead of the float32 copy reads ~5x fewer bytes for bit-identical weights: each weight is rebuilt in
+// float32 with one fused multiply-add (q * d is exact, so it rounds once, as the dequantizer's q * d + m) and
+// multiplied in float32.
 //
 // Every output y[r, n] is one fixed sequence of float32 operations over k (8 lanes, fused multiply-add, lanes summed
 // in a fixed order), whatever the number of rows and however the work is split, so a row's result does not depend
@@ -17,7 +18,6 @@
 #include <cmath>
 #include <cstdint>
 #include <optional>
-#include <cstring>
 
 namespace {
 
