@@ -106,10 +106,11 @@ def demo(
     runtime: RuntimeOpt = "auto",
     threads: ThreadsOpt = None,
     threshold: float = 0.9,
-    k_max: Annotated[int, typer.Option("--k-max")] = 8,
+    k_max: Annotated[int, typer.Option("--k-max", help="Most tokens per pass of verified (ConfAdapt picks k).")] = 8,
 ) -> None:
     """Agent-like prompts with HF generate, the engine's NTP loop and its MTP modes side by side: tokens/forward,
-    tokens/s, speedup over HF generate and over the engine's NTP, exactness."""
+    tokens/s, speedup over HF generate and over the engine's NTP, exactness. ConfAdapt runs with k_max="auto"
+    (k per pass from the measured cost curve)."""
     from agent_mtp.bench.core import Variant, load_suite, run_once
     from agent_mtp.bench.hf import BaselineModels
     from agent_mtp.engine import DecodeConfig
@@ -121,7 +122,7 @@ def demo(
         Variant("HF generate", None, engine.model.dtype),
         Variant("ntp", DecodeConfig(mode="ntp")),
         Variant("verified", DecodeConfig(mode="verified", k_max=k_max)),
-        Variant(f"confadapt {threshold:g}", DecodeConfig(mode="confadapt", threshold=threshold, k_max=k_max)),
+        Variant(f"confadapt {threshold:g}", DecodeConfig(mode="confadapt", threshold=threshold, k_max="auto")),
     ]
     adapter_name = "shipped MTP adapter" if engine.adapter is not None else "no adapter (untrained mask)"
     console.print(

@@ -81,7 +81,7 @@ def test_calibrate_finds_lowest_threshold_meeting_target_and_best_k() -> None:
 def test_calibrate_skips_exact_steps_and_falls_back_to_verified_when_no_threshold_works() -> None:
     suite = [CalibrationPrompt("tool_call", "a"), CalibrationPrompt("final_answer", "b")]
     engine = FakeEngine(texts={"confadapt": "nothing like it"})
-    report = calibrate(engine, "default", suite, thresholds=[0.9, 0.5])
+    report = calibrate(engine, "default", suite, thresholds=[0.9, 0.5], k_values=[4])
     assert "tool_call" in report.skipped  # verified in the default policy
     cal = report.steps["final_answer"]
     assert cal.threshold is None and len(cal.trials) == 1
