@@ -35,8 +35,34 @@ def q8_0(weight: torch.Tensor) -> torch.Tensor:
     return (q * d).reshape(weight.shape)
 
 
+def _plain_llama(vocab: int) -> Any:
+    """A Llama without biases (like SmolLM2): every layer can run in the fused C++ pass."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        eos_token_id=2,
+        initializer_range=0.2,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.requires_grad_(False)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(torch.randn(p.shape) * 0.3 + 1.0)
+    return model
+
+
 def _quantized_model(family: str, vocab: int) -> Any:
-    model = _family_model(family, vocab)
+    model = _plain_llama(vocab) if family == "plain-llama" else _family_model(family, vocab)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 2 and "embed" not in name and "lm_head" not in name:
@@ -63,7 +89,11 @@ def _engine(family: str, *, adapter: bool) -> MTPEngine:
     return MTPEngine(LoadedModel(model, tok, "tiny-q-" + family, mask, mask_id, False), adapter=mtp)
 
 
-@pytest.fixture(scope="module", params=[("llama", False), ("llama", True), ("qwen3", True)], ids=str)
+@pytest.fixture(
+    scope="module",
+    params=[("llama", False), ("llama", True), ("qwen3", True), ("plain-llama", False), ("plain-llama", True)],
+    ids=str,
+)
 def engine(request: pytest.FixtureRequest) -> MTPEngine:
     family, adapter = request.param
     return _engine(family, adapter=adapter)
@@ -187,3 +217,23 @@ def test_bench_curves_time_the_fast_runtime_with_and_without_block_weights(engin
     report = measure_curves(engine, context=16, rounds=1)
     assert set(report.ms) == {"hf", "fast", "fast-fp32"}
     assert all(sorted(curve) == sorted(SIZES) and min(curve.values()) > 0 for curve in report.ms.values())
+
+
+@pytest.mark.parametrize("adapter", [False, True])
+def test_fused_layers_give_the_python_loops_numbers(adapter: bool) -> None:
+    """The one-call C++ pass over all layers (plain Llama blocks, one sequence, up to MAX_ROWS tokens) runs the
+    same ops in the same order as the Python layer loop: logits and caches equal bit for bit, masks included."""
+    engine = _engine("plain-llama", adapter=adapter)
+    fused = FastModel.from_hf(engine.model, mask_token_id=engine.mask_token_id)
+    loop = FastModel.from_hf(engine.model, mask_token_id=engine.mask_token_id)
+    assert fused._fused is not None
+    loop._fused = None
+    m = engine.mask_token_id
+    cf, cl = fused.new_cache(), loop.new_cache()
+    assert torch.equal(fused.forward(_random_ids(20, seed=7), cf, 2), loop.forward(_random_ids(20, seed=7), cl, 2))
+    for tokens in ([5], [7, m], [9, 3, 8], [11, m, m, m], [1, 2], [m, 4, m, 6]):  # the last: mask rows not contiguous
+        assert torch.equal(fused.forward(tokens, cf, len(tokens)), loop.forward(tokens, cl, len(tokens)))
+        layers = zip(cf.layers, cl.layers, strict=True)
+        assert all(torch.equal(a[:, :, : cf.length], b[:, :, : cl.length]) for a, b in layers)
+        cf.truncate(cf.length - 1)
+        cl.truncate(cl.length - 1)

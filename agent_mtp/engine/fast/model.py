@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from agent_mtp.engine.fast import blockq
 from agent_mtp.engine.fast.cache import KVCache
 from agent_mtp.engine.fast.weights import WEIGHT_DTYPES, PackedLinear, Projection, rope_pair_order, stack_low_rank
 
@@ -162,6 +163,7 @@ class FastModel:
         self.layers = [self._prepare_layer(layer, order_q, order_k, prepack, blocks) for layer in decoder.layers]
         self.final_norm = decoder.norm.weight.detach().float()
         self.lm_head = PackedLinear(model.get_output_embeddings().weight.detach(), prepack=prepack, blocks=blocks)
+        self._fused = _fused_weights(self.layers)
         self._rotary = decoder.rotary_emb
         self._rope = torch.empty(0, 1, self.head_dim // 2, dtype=torch.complex64)
         self._rope_lock = threading.Lock()
@@ -250,8 +252,11 @@ class FastModel:
         if rows is not None and self.mask_embedding is not None:
             x[rows] = self.mask_embedding
         rope = segments[0].rope if len(segments) == 1 else torch.cat([seg.rope for seg in segments])  # [N, 1, d/2]
-        for i, layer in enumerate(self.layers):
-            self._layer(layer, i, x, segments, rope, rows)
+        if self._fused is not None and len(segments) == 1 and len(tokens) <= blockq.MAX_ROWS and not _indexed(rows):
+            self._fused_layers(x, segments[0], rope, rows if isinstance(rows, slice) else None)
+        else:
+            for i, layer in enumerate(self.layers):
+                self._layer(layer, i, x, segments, rope, rows)
         for item in items:
             item.cache.length += len(item.tokens)
         kept = [x[seg.row_end - item.keep : seg.row_end] for seg, item in zip(segments, items, strict=True)]
@@ -297,6 +302,26 @@ class FastModel:
         act = F.silu(gate_up[:, : layer.inter])
         act.mul_(gate_up[:, layer.inter :])
         layer.down.add_into(x, act, rows)
+
+    def _fused_layers(self, x: torch.Tensor, seg: _Segment, rope: torch.Tensor, rows: slice | None) -> None:
+        """All layers of one sequence's short block pass in one C++ call (the same ops as :meth:`_layer`)."""
+        assert self._fused is not None
+        torch.ops.agent_mtp_blockq.decode_layers(
+            x,
+            self._fused,
+            seg.cache.layers,
+            rope,
+            seg.start,
+            seg.bias,
+            rows.start if rows is not None else 0,
+            rows.stop if rows is not None else 0,
+            self.num_heads,
+            self.kv_heads,
+            self.head_dim,
+            self.layers[0].inter,
+            self.eps,
+            self.scale,
+        )
 
     def _attend_segment(self, qkv: torch.Tensor, seg: _Segment, index: int) -> torch.Tensor:
         """Write one sequence's new keys/values into its cache, attend its queries to its cache: [n, q]."""
@@ -350,6 +375,32 @@ class FastModel:
             allowed = torch.arange(start + n)[None, :] <= (start + torch.arange(n))[:, None]  # [n, end]
             out = F.scaled_dot_product_attention(q4, keys, values, attn_mask=allowed, enable_gqa=True)
         return out[0].transpose(0, 1).reshape(n, self.q_dim)
+
+
+def _indexed(rows: slice | torch.Tensor | None) -> bool:
+    return isinstance(rows, torch.Tensor)
+
+
+def _fused_weights(layers: Sequence[_Layer]) -> list[torch.Tensor] | None:
+    """The 22 tensors per layer ``decode_layers`` reads (kernels/blockq.cpp), or None where a layer is not plain
+    Q4_1 blocks (no bias, no q/k norm, nothing padded or computed apart): those passes run :meth:`FastModel._layer`."""
+    fused: list[torch.Tensor] = []
+    none = torch.empty(0)
+    for layer in layers:
+        if layer.q_norm is not None or layer.k_norm is not None or layer.inter != layers[0].inter:
+            return None
+        fused.append(layer.input_norm)
+        for proj in (layer.qkv, layer.o, layer.gate_up, layer.down):
+            if proj is layer.gate_up:
+                fused.append(layer.post_norm)
+            blocks = proj.linear.blocks
+            if blocks is None or blocks.kind != "q4_1" or not blocks.accumulates or proj.linear.bias is not None:
+                return None
+            assert blocks.minimum is not None
+            extra = proj.linear.extra_rows
+            fused += [blocks.qs, blocks.scale, blocks.minimum, extra if extra is not None else none]
+            fused.append(proj.b_t if proj.b_t is not None else none)
+    return fused
 
 
 def _mask_rows(tokens: Sequence[int], mask_token_id: int | None) -> slice | torch.Tensor | None:

@@ -10,7 +10,13 @@
 // in a fixed order), whatever the number of rows and however the work is split, so a row's result does not depend
 // on the other rows of its pass: batched and speculative passes give the same numbers as one-token passes.
 #include <ATen/Parallel.h>
+#include <ATen/ops/addmm.h>
+#include <ATen/ops/baddbmm.h>
+#include <ATen/ops/bmm.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/silu.h>
+#include <ATen/ops/softmax.h>
+#include <ATen/ops/view_as_complex.h>
 #include <immintrin.h>
 #include <torch/library.h>
 
@@ -260,6 +266,72 @@ at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tens
   return grouped_linear<Q80>(x, qs, scale, nullptr, 32, extra, residual, norm, eps);
 }
 
+
+// Every decoder layer of a Llama-family model for one sequence's short pass (up to a few rows), in one call: the same
+// ATen ops in the same order as the Python layer loop (engine/fast/model.py: FastModel._layer) and the same block
+// kernels, so the numbers are identical; what goes is ~25 Python-level calls per layer. ``weights`` holds 22 tensors
+// per layer (see engine/fast/model.py: _fused_weights); an absent adapter factor is an empty tensor.
+constexpr int64_t kPerLayer = 22;
+
+std::optional<at::Tensor> present(const at::Tensor& t) {
+  return t.numel() > 0 ? std::optional<at::Tensor>(t) : std::nullopt;
+}
+
+// y[rows, :out] += y[rows, out:] b_t (the adapter's delta at the mask rows [ms, me)); returns y[:, :out].
+at::Tensor with_delta(const at::Tensor& y, int64_t out, const at::Tensor& b_t, int64_t ms, int64_t me) {
+  if (me > ms && b_t.numel() > 0) {
+    const at::Tensor rows = y.slice(0, ms, me);
+    rows.slice(1, 0, out).addmm_(rows.slice(1, out), b_t);
+  }
+  return y.slice(1, 0, out);
+}
+
+// x += (block product into x) and, at the mask rows, the adapter's delta from the extra rows' product ``low``.
+void add_delta(at::Tensor& x, const at::Tensor& low, const at::Tensor& b_t, int64_t ms, int64_t me) {
+  if (me > ms && b_t.numel() > 0) x.slice(0, ms, me).addmm_(low.slice(0, ms, me), b_t);
+}
+
+void decode_layers(at::Tensor x, at::TensorList weights, at::TensorList caches, const at::Tensor& rope, int64_t start,
+                   const std::optional<at::Tensor>& bias, int64_t mask_start, int64_t mask_end, int64_t num_heads,
+                   int64_t kv_heads, int64_t head_dim, int64_t inter, double eps, double scale) {
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == kPerLayer * static_cast<int64_t>(caches.size()),
+              "decode_layers needs 22 weight tensors per layer");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat, "x must be contiguous float32");
+  const int64_t n = x.size(0), q_dim = num_heads * head_dim, kv_dim = kv_heads * head_dim;
+  const int64_t groups = num_heads / kv_heads, end = start + n, qkv_out = q_dim + 2 * kv_dim;
+  for (size_t layer = 0; layer < caches.size(); ++layer) {
+    const at::Tensor* w = weights.data() + layer * kPerLayer;
+    const at::Tensor y = grouped_linear<Q41>(x, w[1], w[2], w[3].data_ptr<float>(), 16, present(w[4]), std::nullopt,
+                                             w[0], eps);
+    const at::Tensor qkv = with_delta(y, qkv_out, w[5], mask_start, mask_end);
+    at::view_as_complex(qkv.slice(1, 0, q_dim + kv_dim).view({n, num_heads + kv_heads, head_dim / 2, 2})).mul_(rope);
+    const at::Tensor& kv = caches[layer];
+    kv.slice(2, start, end).copy_(qkv.slice(1, q_dim).view({n, 2, kv_heads, head_dim}).permute({1, 2, 0, 3}));
+    const at::Tensor q = qkv.slice(1, 0, q_dim);
+    const at::Tensor keys = kv[0].slice(1, 0, end), values = kv[1].slice(1, 0, end);
+    const at::Tensor qg = n == 1 ? q.view({kv_heads, groups, head_dim})
+                                 : q.view({n, kv_heads, groups, head_dim}).permute({1, 2, 0, 3}).reshape(
+                                       {kv_heads, groups * n, head_dim});
+    const at::Tensor scores = bias.has_value() ? at::baddbmm(*bias, qg, keys.transpose(1, 2), 1.0, scale)
+                                               : at::bmm(qg, keys.transpose(1, 2)).mul_(scale);
+    const at::Tensor out = at::bmm(at::softmax(scores, -1), values);
+    const at::Tensor attended = n == 1 ? out.view({1, q_dim})
+                                       : out.view({kv_heads, groups, n, head_dim}).permute({2, 0, 1, 3}).reshape(
+                                             {n, q_dim});
+    const at::Tensor low_o = grouped_linear<Q41>(attended.contiguous(), w[6], w[7], w[8].data_ptr<float>(), 16,
+                                                 present(w[9]), x, std::nullopt, eps);
+    add_delta(x, low_o, w[10], mask_start, mask_end);
+    const at::Tensor gu_all = grouped_linear<Q41>(x, w[12], w[13], w[14].data_ptr<float>(), 16, present(w[15]),
+                                                  std::nullopt, w[11], eps);
+    const at::Tensor gate_up = with_delta(gu_all, 2 * inter, w[16], mask_start, mask_end);
+    at::Tensor act = at::silu(gate_up.slice(1, 0, inter));
+    act.mul_(gate_up.slice(1, inter, 2 * inter));
+    const at::Tensor low_d = grouped_linear<Q41>(act, w[17], w[18], w[19].data_ptr<float>(), 16, present(w[20]), x,
+                                                 std::nullopt, eps);
+    add_delta(x, low_d, w[21], mask_start, mask_end);
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY(agent_mtp_blockq, m) {
@@ -271,9 +343,15 @@ TORCH_LIBRARY(agent_mtp_blockq, m) {
   m.def(
       "q8_0_linear(Tensor x, Tensor qs, Tensor scale, Tensor? extra=None, Tensor(a!)? residual=None, "
       "Tensor? norm=None, float eps=1e-5) -> Tensor");
+  // every decoder layer of one sequence's short pass, in place on x and the caches (see decode_layers above)
+  m.def(
+      "decode_layers(Tensor(a!) x, Tensor[] weights, Tensor(b!)[] caches, Tensor rope, int start, Tensor? bias, "
+      "int mask_start, int mask_end, int num_heads, int kv_heads, int head_dim, int inter, float eps, float scale) "
+      "-> ()");
 }
 
 TORCH_LIBRARY_IMPL(agent_mtp_blockq, CPU, m) {
+  m.impl("decode_layers", &decode_layers);
   m.impl("q4_1_linear", &q4_1_linear);
   m.impl("q8_0_linear", &q8_0_linear);
 }
