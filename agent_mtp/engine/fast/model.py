@@ -252,7 +252,8 @@ class FastModel:
         if rows is not None and self.mask_embedding is not None:
             x[rows] = self.mask_embedding
         rope = segments[0].rope if len(segments) == 1 else torch.cat([seg.rope for seg in segments])  # [N, 1, d/2]
-        if self._fused is not None and len(segments) == 1 and len(tokens) <= blockq.MAX_ROWS and not _indexed(rows):
+        contiguous_masks = not isinstance(rows, torch.Tensor)  # a slice or none: what decode_layers takes
+        if self._fused is not None and len(segments) == 1 and len(tokens) <= blockq.MAX_ROWS and contiguous_masks:
             self._fused_layers(x, segments[0], rope, rows if isinstance(rows, slice) else None)
         else:
             for i, layer in enumerate(self.layers):
@@ -375,10 +376,6 @@ class FastModel:
             allowed = torch.arange(start + n)[None, :] <= (start + torch.arange(n))[:, None]  # [n, end]
             out = F.scaled_dot_product_attention(q4, keys, values, attn_mask=allowed, enable_gqa=True)
         return out[0].transpose(0, 1).reshape(n, self.q_dim)
-
-
-def _indexed(rows: slice | torch.Tensor | None) -> bool:
-    return isinstance(rows, torch.Tensor)
 
 
 def _fused_weights(layers: Sequence[_Layer]) -> list[torch.Tensor] | None:

@@ -99,7 +99,7 @@ class PackedLinear:
         """``residual[:, :out] += x W^T + b`` in place (fused into the kernel on block passes); returns the
         ``extra_rows``' products [n, r] (None without extra rows)."""
         blocks = self.blocks
-        if blocks is not None and blocks.accumulates and x.shape[0] <= blockq.MAX_ROWS:
+        if blocks is not None and blocks.accumulates and self.reads_blocks(x.shape[0]):
             extra = blocks.add_into(residual, x, self.extra_rows)
             if self.bias is not None:
                 residual.add_(self.bias[: blocks.out_features])
@@ -112,7 +112,7 @@ class PackedLinear:
     def __call__(self, x: torch.Tensor, norm: blockq.Norm | None = None) -> torch.Tensor:
         """x [n, in] (float32) -> [n, out] (float32); with ``norm`` (weight, eps) the input is ``rms_norm(x) *
         weight`` (normalised inside the kernel on block passes)."""
-        if self.blocks is not None and x.shape[0] <= blockq.MAX_ROWS:
+        if self.blocks is not None and self.reads_blocks(x.shape[0]):
             y = self.blocks(x, self.extra_rows, norm)
             return y.add_(self.bias) if self.bias is not None else y
         if norm is not None:

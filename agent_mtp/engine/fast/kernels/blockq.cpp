@@ -28,7 +28,6 @@
 namespace {
 
 constexpr int64_t kBlock = 32;     // weights per quantization block (Q4_1 and Q8_0)
-constexpr int64_t kMaxInner = 8192;
 
 inline float lane_sum(__m256 v) {
   // ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)): the same order for every output.
@@ -44,7 +43,7 @@ void check_inputs(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& s
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.device().is_cpu(),
               "x must be a contiguous 2-D float32 CPU tensor");
   const int64_t k = x.size(1);
-  TORCH_CHECK(k % kBlock == 0 && k <= kMaxInner, "in_features must be a multiple of 32 and at most 8192, got ", k);
+  TORCH_CHECK(k % kBlock == 0, "in_features must be a multiple of 32, got ", k);
   TORCH_CHECK(qs.dim() == 2 && qs.scalar_type() == at::kByte && qs.is_contiguous() &&
                   qs.size(1) == k / kBlock * bytes_per_block,
               "qs must be a contiguous uint8 [out, in / 32 * ", bytes_per_block, "] tensor");
@@ -125,7 +124,6 @@ inline void q8_0_kernel(const float* x, int64_t k, const uint8_t* qs, const floa
     for (int c = 0; c < C; ++c) y[r * ldy + c] = add ? y[r * ldy + c] + lane_sum(acc[r][c]) : lane_sum(acc[r][c]);
 }
 
-// y = x W^T over grouped blocks; every output is the same sequence of operations whatever the row count.
 // y[r, e] = dot(x[r], dense[e]) for float32 rows e in [e0, e1) (a few, e.g. an adapter's low-rank factor).
 void dense_rows(const float* x, int64_t rows, int64_t k, const float* dense, int64_t e0, int64_t e1, float* y,
                 int64_t ldy) {
