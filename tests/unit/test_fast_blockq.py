@@ -237,3 +237,105 @@ def test_fused_layers_give_the_python_loops_numbers(adapter: bool) -> None:
         assert all(torch.equal(a[:, :, : cf.length], b[:, :, : cl.length]) for a, b in layers)
         cf.truncate(cf.length - 1)
         cl.truncate(cl.length - 1)
+
+
+def _reference_attention(
+    qkv: torch.Tensor, rope: torch.Tensor, kv: torch.Tensor, start: int, heads: int, kv_heads: int, d: int
+) -> torch.Tensor:
+    """RoPE, cache write and causal softmax attention with plain torch ops (what the kernel replaces)."""
+    n, q_dim, kv_dim = qkv.shape[0], heads * d, kv_heads * d
+    rotated = torch.view_as_real(torch.view_as_complex(qkv[:, : q_dim + kv_dim].reshape(n, -1, d // 2, 2)) * rope)
+    q = rotated[:, :heads].reshape(n, heads, d)
+    kv[0, :, start : start + n] = rotated[:, heads:].reshape(n, kv_heads, d).transpose(0, 1)
+    kv[1, :, start : start + n] = qkv[:, q_dim + kv_dim :].reshape(n, kv_heads, d).transpose(0, 1)
+    keys = kv[0, :, : start + n].repeat_interleave(heads // kv_heads, 0)  # [heads, end, d]
+    values = kv[1, :, : start + n].repeat_interleave(heads // kv_heads, 0)
+    scores = torch.einsum("nhd,hjd->hnj", q, keys) / d**0.5
+    allowed = torch.arange(start + n)[None, :] <= start + torch.arange(n)[:, None]
+    probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+    return torch.einsum("hnj,hjd->nhd", probs, values).reshape(n, q_dim)
+
+
+def _rope(n: int, d: int, seed: int) -> torch.Tensor:
+    angles = torch.randn(n, 1, d // 2, generator=torch.Generator().manual_seed(seed))
+    return torch.polar(torch.ones_like(angles), angles)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "d"), [(9, 3, 64), (4, 4, 24), (4, 2, 128)])
+def test_attention_kernel_matches_torch_for_every_sequence_of_a_pass(heads: int, kv_heads: int, d: int) -> None:
+    """One call per layer for a whole batch: sequences with different cache lengths and row counts (one long enough
+    to run on several threads), each row attending causally to its own cache."""
+    starts, rows = [0, 5, 37, 700], [3, 1, 4, 2]
+    width = (heads + 2 * kv_heads) * d
+    qkv = torch.randn(sum(rows), width + 8)[:, :width]  # a row stride wider than the row, as with adapter columns
+    rope = _rope(sum(rows), d, seed=1)
+    caches = [torch.randn(2, kv_heads, s + r + 3, d) for s, r in zip(starts, rows, strict=True)]
+    expected_caches = [c.clone() for c in caches]
+    expected, first = [], 0
+    for start, n, kv in zip(starts, rows, expected_caches, strict=True):
+        part = slice(first, first + n)
+        expected.append(_reference_attention(qkv[part], rope[part], kv, start, heads, kv_heads, d))
+        first += n
+    out = torch.ops.agent_mtp_blockq.attend(qkv, rope, caches, starts, rows, heads, kv_heads, d, d**-0.5)
+    torch.testing.assert_close(out, torch.cat(expected), atol=2e-6, rtol=1e-5)
+    for got, want, start, n in zip(caches, expected_caches, starts, rows, strict=True):
+        torch.testing.assert_close(got[:, :, : start + n], want[:, :, : start + n], atol=1e-6, rtol=1e-6)
+
+
+def test_attention_of_a_row_does_not_depend_on_the_rows_beside_it() -> None:
+    """A position attended in a 4-row pass, alone, or batched beside another sequence gives the same bits (so
+    ``verified`` equals ``ntp`` and batching changes nothing)."""
+    heads, kv_heads, d, start = 6, 2, 32, 41
+    width = (heads + 2 * kv_heads) * d
+    qkv, rope = torch.randn(4, width), _rope(4, d, seed=2)
+    history = torch.randn(2, kv_heads, 64, d)
+    together = torch.ops.agent_mtp_blockq.attend(
+        qkv.clone(), rope, [history.clone()], [start], [4], heads, kv_heads, d, 0.25
+    )
+    for i in range(4):
+        cache = history.clone()
+        if i:  # rows before i are already in the cache, as after an earlier pass
+            torch.ops.agent_mtp_blockq.attend(
+                qkv[:i].clone(), rope[:i], [cache], [start], [i], heads, kv_heads, d, 0.25
+            )
+        other = torch.randn(2, kv_heads, 16, d)
+        pair = torch.cat([torch.randn(2, width), qkv[i : i + 1]])
+        alone = torch.ops.agent_mtp_blockq.attend(
+            pair,
+            torch.cat([_rope(2, d, seed=3), rope[i : i + 1]]),
+            [other, cache],
+            [5, start + i],
+            [2, 1],
+            heads,
+            kv_heads,
+            d,
+            0.25,
+        )
+        assert torch.equal(alone[2], together[i]), i
+
+
+def test_attention_kernel_rejects_a_cache_without_room() -> None:
+    heads, kv_heads, d = 2, 1, 16
+    qkv = torch.randn(3, (heads + 2 * kv_heads) * d)
+    with pytest.raises(RuntimeError, match=r"room for positions 10\.\.13"):
+        torch.ops.agent_mtp_blockq.attend(
+            qkv, _rope(3, d, seed=0), [torch.zeros(2, kv_heads, 12, d)], [10], [3], heads, kv_heads, d, 0.25
+        )
+
+
+def test_fast_model_attends_with_the_kernel_and_batches_give_single_numbers(engine: MTPEngine) -> None:
+    from agent_mtp.engine.fast.model import BatchItem
+
+    fast = FastModel.from_hf(engine.model, mask_token_id=engine.mask_token_id)
+    assert fast._attend_kernel
+    prompts = [_random_ids(9 + 4 * i, seed=10 + i) for i in range(3)]
+    single = [fast.new_cache() for _ in prompts]
+    batched = [fast.new_cache() for _ in prompts]
+    for ids, cache in zip(prompts, single, strict=True):
+        fast.forward(ids, cache, 1)
+    fast.forward_batch([BatchItem(ids, cache, 1) for ids, cache in zip(prompts, batched, strict=True)])
+    steps = [[5], [7, engine.mask_token_id], [9, 3, 8, 2, 6, 1]]  # block passes and a float32 GEMM pass
+    expected = [fast.forward(tokens, cache, len(tokens)) for tokens, cache in zip(steps, single, strict=True)]
+    got = fast.forward_batch([BatchItem(t, c, len(t)) for t, c in zip(steps, batched, strict=True)])
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)

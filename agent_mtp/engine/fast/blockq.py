@@ -68,7 +68,7 @@ def kernels_available() -> bool:
 
 def kernel_tag() -> str:
     """A short name of the weight path passes take (part of the cost curve's cache key)."""
-    return "blockq1" if enabled() and kernels_available() else "fp32"
+    return "blockq2" if enabled() and kernels_available() else "fp32"
 
 
 def _unsupported_reason() -> str | None:

@@ -164,6 +164,9 @@ class FastModel:
         self.final_norm = decoder.norm.weight.detach().float()
         self.lm_head = PackedLinear(model.get_output_embeddings().weight.detach(), prepack=prepack, blocks=blocks)
         self._fused = _fused_weights(self.layers)
+        self._attend_kernel = self.head_dim % 8 == 0 and blockq.enabled() and blockq.kernels_available()
+        """Whether short passes attend with the C++ kernel (RoPE, cache write and attention of every sequence in one
+        call per layer) instead of ATen's bmm / softmax / bmm per sequence."""
         self._rotary = decoder.rotary_emb
         self._rope = torch.empty(0, 1, self.head_dim // 2, dtype=torch.complex64)
         self._rope_lock = threading.Lock()
@@ -245,7 +248,8 @@ class FastModel:
         attention runs per sequence against its own cache. Returns each item's logits [keep, V], in order."""
         if not items:
             return []
-        segments = self._segments(items)
+        by_kernel = self._attend_kernel and all(len(item.tokens) < SDPA_FROM_ROWS for item in items)
+        segments = self._segments(items, biases=not by_kernel)
         tokens = [t for item in items for t in item.tokens]
         x = F.embedding(torch.tensor(tokens, dtype=torch.long), self.embed).float()  # [N, H]
         rows = _mask_rows(tokens, self.mask_token_id)
@@ -253,11 +257,17 @@ class FastModel:
             x[rows] = self.mask_embedding
         rope = segments[0].rope if len(segments) == 1 else torch.cat([seg.rope for seg in segments])  # [N, 1, d/2]
         contiguous_masks = not isinstance(rows, torch.Tensor)  # a slice or none: what decode_layers takes
-        if self._fused is not None and len(segments) == 1 and len(tokens) <= blockq.MAX_ROWS and contiguous_masks:
+        if (
+            by_kernel
+            and self._fused is not None
+            and len(segments) == 1
+            and len(tokens) <= blockq.MAX_ROWS
+            and contiguous_masks
+        ):
             self._fused_layers(x, segments[0], rope, rows if isinstance(rows, slice) else None)
         else:
             for i, layer in enumerate(self.layers):
-                self._layer(layer, i, x, segments, rope, rows)
+                self._layer(layer, i, x, segments, rope, rows, by_kernel)
         for item in items:
             item.cache.length += len(item.tokens)
         kept = [x[seg.row_end - item.keep : seg.row_end] for seg, item in zip(segments, items, strict=True)]
@@ -265,7 +275,7 @@ class FastModel:
         logits = self.lm_head(F.rms_norm(h, (x.shape[-1],), self.final_norm, self.eps))  # [sum keep, V]
         return list(logits.split([item.keep for item in items])) if len(items) > 1 else [logits]
 
-    def _segments(self, items: Sequence[BatchItem]) -> list[_Segment]:
+    def _segments(self, items: Sequence[BatchItem], *, biases: bool) -> list[_Segment]:
         segments: list[_Segment] = []
         row = 0
         for item in items:
@@ -276,7 +286,7 @@ class FastModel:
                 raise ValueError("Two batch items share one KV cache; each sequence needs its own.")
             item.cache.reserve(n)
             start = item.cache.length
-            bias = self._attention_bias(n, start) if 1 < n < SDPA_FROM_ROWS else None
+            bias = self._attention_bias(n, start) if biases and 1 < n < SDPA_FROM_ROWS else None
             segments.append(_Segment(row, row + n, start, item.cache, self._rope_rows(start, start + n), bias))
             row += n
         return segments
@@ -289,15 +299,29 @@ class FastModel:
         segments: list[_Segment],
         rope: torch.Tensor,
         rows: slice | torch.Tensor | None,
+        by_kernel: bool,
     ) -> None:
         n = x.shape[0]
         qkv = layer.qkv(x, rows, norm=(layer.input_norm, self.eps))  # [N, q + 2 kv] of rms_norm(x)
         if layer.q_norm is not None and layer.k_norm is not None:
             self._qk_norm(qkv, layer.q_norm, layer.k_norm)
-        qk = qkv[:, : self.q_dim + self.kv_dim].view(n, self.num_heads + self.kv_heads, self.head_dim // 2, 2)
-        torch.view_as_complex(qk).mul_(rope)
-        parts = [self._attend_segment(qkv, seg, index) for seg in segments]
-        attended = parts[0] if len(parts) == 1 else torch.cat(parts)  # [N, q]
+        if by_kernel:  # RoPE, cache writes and attention of every segment: one C++ call
+            attended = torch.ops.agent_mtp_blockq.attend(
+                qkv,
+                rope,
+                [seg.cache.layers[index] for seg in segments],
+                [seg.start for seg in segments],
+                [seg.row_end - seg.row_start for seg in segments],
+                self.num_heads,
+                self.kv_heads,
+                self.head_dim,
+                self.scale,
+            )
+        else:
+            qk = qkv[:, : self.q_dim + self.kv_dim].view(n, self.num_heads + self.kv_heads, self.head_dim // 2, 2)
+            torch.view_as_complex(qk).mul_(rope)
+            parts = [self._attend_segment(qkv, seg, index) for seg in segments]
+            attended = parts[0] if len(parts) == 1 else torch.cat(parts)  # [N, q]
         layer.o.add_into(x, attended, rows)
         gate_up = layer.gate_up(x, rows, norm=(layer.post_norm, self.eps))  # [N, 2 I] of rms_norm(x)
         act = F.silu(gate_up[:, : layer.inter])
@@ -313,7 +337,6 @@ class FastModel:
             seg.cache.layers,
             rope,
             seg.start,
-            seg.bias,
             rows.start if rows is not None else 0,
             rows.stop if rows is not None else 0,
             self.num_heads,

@@ -11,12 +11,9 @@
 // on the other rows of its pass: batched and speculative passes give the same numbers as one-token passes.
 #include <ATen/Parallel.h>
 #include <ATen/ops/addmm.h>
-#include <ATen/ops/baddbmm.h>
-#include <ATen/ops/bmm.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/silu.h>
-#include <ATen/ops/softmax.h>
-#include <ATen/ops/view_as_complex.h>
+#include <ATen/ops/view_as_real.h>
 #include <immintrin.h>
 #include <torch/library.h>
 
@@ -24,6 +21,7 @@
 #include <cmath>
 #include <cstdint>
 #include <optional>
+#include <vector>
 
 namespace {
 
@@ -265,9 +263,215 @@ at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tens
 }
 
 
+// ---- attention of short passes ------------------------------------------------------------------------------------
+// A pass of a few new rows per sequence attends each row to at most a few thousand cached positions: a few hundred
+// thousand multiply-adds per layer, which ATen's bmm / softmax / bmm (plus RoPE, the cache write and the views
+// around them) spend more time dispatching than computing. ``attend`` does all of it for every sequence of a pass
+// in one call: RoPE on the new queries and keys (in place), the new keys and values into each sequence's cache,
+// then causal softmax attention of every new row to its cache, in float32.
+
+// e^x for x <= 0 (scores minus their maximum): x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-6 Taylor
+// polynomial (relative error < 2e-7), 2^n put into the exponent bits. Clamped at -87 (e^-87 ~ 1.6e-38, ~0).
+inline __m256 exp_nonpositive(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // ln2 split in two (Cody-Waite): exact n * c1
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 720.0f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
+}
+
+// The 8 lanes of v summed as ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)), the order sum8 gives every lane.
+inline float pair_sum(__m256 v) {
+  const __m256 h = _mm256_hadd_ps(v, v);  // [l0+l1, l2+l3, ., . | l4+l5, l6+l7, ., .]
+  const __m256 q = _mm256_hadd_ps(h, h);  // [(l0+l1)+(l2+l3), ... | (l4+l5)+(l6+l7), ...]
+  return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(q), _mm256_extractf128_ps(q, 1)));
+}
+
+// [pair_sum(a[0]), ..., pair_sum(a[7])] in one vector.
+inline __m256 sum8(const __m256* a) {
+  const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+
+// scores[j] = scale * (q . keys[j]) for j < count, eight keys at a time (independent accumulators); returns the max.
+float dot_scores(const float* q, const float* keys, int64_t count, int64_t d, float scale, float* scores) {
+  const __m256 vscale = _mm256_set1_ps(scale);
+  __m256 top = _mm256_set1_ps(-INFINITY);
+  int64_t j = 0;
+  for (; j + 8 <= count; j += 8) {
+    const float* kj = keys + j * d;
+    __m256 acc[8];
+    for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
+    for (int64_t t = 0; t < d; t += 8) {
+      const __m256 qt = _mm256_loadu_ps(q + t);
+      for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(qt, _mm256_loadu_ps(kj + i * d + t), acc[i]);
+    }
+    const __m256 s = _mm256_mul_ps(sum8(acc), vscale);
+    _mm256_storeu_ps(scores + j, s);
+    top = _mm256_max_ps(top, s);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, top);
+  float best = *std::max_element(lanes, lanes + 8);
+  for (; j < count; ++j) {  // the last < 8 keys: the same sums, one key at a time
+    const float* kj = keys + j * d;
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t t = 0; t < d; t += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + t), _mm256_loadu_ps(kj + t), acc);
+    scores[j] = pair_sum(acc) * scale;
+    best = std::max(best, scores[j]);
+  }
+  return best;
+}
+
+// out[0:8W] = inv * sum_j p[j] * values[j, 0:8W] (rows of ``values`` are ``d`` apart).
+template <int W>
+inline void weighted_values(const float* p, const float* values, int64_t count, int64_t d, __m256 inv, float* out) {
+  __m256 acc[W];
+  for (int t = 0; t < W; ++t) acc[t] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < count; ++j) {
+    const __m256 pj = _mm256_broadcast_ss(p + j);
+    const float* vj = values + j * d;
+    for (int t = 0; t < W; ++t) acc[t] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * t), acc[t]);
+  }
+  for (int t = 0; t < W; ++t) _mm256_storeu_ps(out + 8 * t, _mm256_mul_ps(acc[t], inv));
+}
+
+// out[0:d] = softmax(scale * q . keys[j], j < count) @ values (keys / values: ``count`` rows of d floats).
+void attend_row(const float* q, const float* keys, const float* values, int64_t count, int64_t d, float scale,
+                float* out, float* scores) {
+  const float top = dot_scores(q, keys, count, d, scale, scores);
+  const __m256 vtop = _mm256_set1_ps(top);
+  __m256 total = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 8 <= count; j += 8) {
+    const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(scores + j), vtop));
+    _mm256_storeu_ps(scores + j, e);
+    total = _mm256_add_ps(total, e);
+  }
+  if (j < count) {  // the last < 8 scores, through the same function (lanes past the end count 0)
+    alignas(32) float tail[8];
+    for (int i = 0; i < 8; ++i) tail[i] = j + i < count ? scores[j + i] - top : -INFINITY;
+    const __m256 e = exp_nonpositive(_mm256_load_ps(tail));
+    _mm256_store_ps(tail, e);
+    for (int i = 0; i < 8; ++i) {
+      if (j + i < count)
+        scores[j + i] = tail[i];
+      else
+        tail[i] = 0.0f;
+    }
+    total = _mm256_add_ps(total, _mm256_load_ps(tail));
+  }
+  const __m256 inv = _mm256_set1_ps(1.0f / lane_sum(total));
+  for (int64_t c = 0; c < d; c += 64) {  // up to 8 accumulators (64 dimensions) at a time, held in registers
+    switch (std::min<int64_t>(64, d - c) / 8) {
+      case 8: weighted_values<8>(scores, values + c, count, d, inv, out + c); break;
+      case 7: weighted_values<7>(scores, values + c, count, d, inv, out + c); break;
+      case 6: weighted_values<6>(scores, values + c, count, d, inv, out + c); break;
+      case 5: weighted_values<5>(scores, values + c, count, d, inv, out + c); break;
+      case 4: weighted_values<4>(scores, values + c, count, d, inv, out + c); break;
+      case 3: weighted_values<3>(scores, values + c, count, d, inv, out + c); break;
+      case 2: weighted_values<2>(scores, values + c, count, d, inv, out + c); break;
+      default: weighted_values<1>(scores, values + c, count, d, inv, out + c); break;
+    }
+  }
+}
+
+// (a + bi)(c + si) on the (even, odd) pairs of ``heads`` heads of d floats.
+void rotate(float* v, int64_t heads, int64_t d, const float* rope) {
+  for (int64_t h = 0; h < heads; ++h, v += d)
+    for (int64_t p = 0; p < d; p += 2) {
+      const float a = v[p], b = v[p + 1], c = rope[p], s = rope[p + 1];
+      v[p] = a * c - b * s;
+      v[p + 1] = a * s + b * c;
+    }
+}
+
+// qkv [N, q + 2 kv] (row stride free, column stride 1): the new rows of every segment (sequence), in order;
+// rope [N, 1, d / 2] complex; caches[s] [2, kv_heads, capacity, d] (this layer's keys and values of segment s, whose
+// ``rows[s]`` new tokens go to positions starts[s]..). Returns the attended rows [N, q].
+at::Tensor attend_pairs(const at::Tensor& qkv, const at::Tensor& pairs, at::TensorList caches, at::IntArrayRef starts,
+                        at::IntArrayRef rows, int64_t num_heads, int64_t kv_heads, int64_t d, double scale) {
+  const int64_t segments = static_cast<int64_t>(caches.size());
+  TORCH_CHECK(static_cast<int64_t>(starts.size()) == segments && static_cast<int64_t>(rows.size()) == segments,
+              "attend needs one start and one row count per cache");
+  TORCH_CHECK(d % 8 == 0 && num_heads % kv_heads == 0, "attend needs head_dim % 8 == 0 and whole query groups");
+  const int64_t q_dim = num_heads * d, kv_dim = kv_heads * d, groups = num_heads / kv_heads;
+  int64_t n = 0;
+  for (int64_t s = 0; s < segments; ++s) n += rows[s];
+  TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == at::kFloat && qkv.stride(1) == 1 && qkv.size(0) == n &&
+                  qkv.size(1) == q_dim + 2 * kv_dim,
+              "qkv must be float32 [", n, ", ", q_dim + 2 * kv_dim, "] with unit column stride");
+  TORCH_CHECK(pairs.scalar_type() == at::kFloat && pairs.is_contiguous() && pairs.numel() == n * d,
+              "rope must be contiguous complex [", n, ", 1, d / 2]");
+  std::vector<int64_t> first_row(segments + 1, 0);
+  for (int64_t s = 0; s < segments; ++s) {
+    const at::Tensor& kv = caches[s];
+    TORCH_CHECK(kv.dim() == 4 && kv.size(0) == 2 && kv.size(1) == kv_heads && kv.size(3) == d &&
+                    kv.scalar_type() == at::kFloat && kv.is_contiguous() && starts[s] >= 0 &&
+                    starts[s] + rows[s] <= kv.size(2) && rows[s] >= 1,
+                "cache ", s, " must be a contiguous float32 [2, ", kv_heads, ", capacity, ", d,
+                "] tensor with room for positions ", starts[s], "..", starts[s] + rows[s]);
+    first_row[s + 1] = first_row[s] + rows[s];
+  }
+  float* base = qkv.data_ptr<float>();
+  const int64_t ld = qkv.stride(0);
+  const float* rp = pairs.data_ptr<float>();
+  int64_t work = 0;
+  for (int64_t s = 0; s < segments; ++s) {
+    float* kv = caches[s].data_ptr<float>();
+    const int64_t capacity = caches[s].size(2);
+    for (int64_t i = 0; i < rows[s]; ++i) {
+      const int64_t r = first_row[s] + i, position = starts[s] + i;
+      float* row = base + r * ld;
+      rotate(row, num_heads + kv_heads, d, rp + r * d);
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        std::copy_n(row + q_dim + h * d, d, kv + (h * capacity + position) * d);
+        std::copy_n(row + q_dim + kv_dim + h * d, d, kv + ((kv_heads + h) * capacity + position) * d);
+      }
+      work += (position + 1) * num_heads * d;
+    }
+  }
+  at::Tensor out = at::empty({n, q_dim}, qkv.options());
+  float* op = out.data_ptr<float>();
+  const int64_t max_count = *std::max_element(starts.begin(), starts.end()) + n;
+  const int64_t tasks = n * num_heads;
+  // a task is one (row, head); under ~64k multiply-adds the whole call stays on this thread
+  const int64_t grain = work < (1 << 16) ? tasks : 1;
+  at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(static_cast<size_t>(max_count + 8));
+    int64_t s = 0;
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t r = t / num_heads, head = t % num_heads;
+      while (r >= first_row[s + 1]) ++s;
+      const int64_t count = starts[s] + (r - first_row[s]) + 1;  // causal: itself and everything before it
+      const float* kv = caches[s].data_ptr<float>();
+      const int64_t capacity = caches[s].size(2), g = head / groups;
+      attend_row(base + r * ld + head * d, kv + g * capacity * d, kv + (kv_heads + g) * capacity * d, count, d,
+                 static_cast<float>(scale), op + r * q_dim + head * d, scores.data());
+    }
+  });
+  return out;
+}
+
+at::Tensor attend(const at::Tensor& qkv, const at::Tensor& rope, at::TensorList caches, at::IntArrayRef starts,
+                  at::IntArrayRef rows, int64_t num_heads, int64_t kv_heads, int64_t d, double scale) {
+  TORCH_CHECK(rope.scalar_type() == at::kComplexFloat, "rope must be complex64 (cos + i sin per pair)");
+  return attend_pairs(qkv, at::view_as_real(rope), caches, starts, rows, num_heads, kv_heads, d, scale);
+}
+
 // Every decoder layer of a Llama-family model for one sequence's short pass (up to a few rows), in one call: the same
-// ATen ops in the same order as the Python layer loop (engine/fast/model.py: FastModel._layer) and the same block
-// kernels, so the numbers are identical; what goes is ~25 Python-level calls per layer. ``weights`` holds 22 tensors
+// kernels and ATen ops in the same order as the Python layer loop (engine/fast/model.py: FastModel._layer), so the
+// numbers are identical; what goes is ~15 Python-level calls per layer. ``weights`` holds 22 tensors
 // per layer (see engine/fast/model.py: _fused_weights); an absent adapter factor is an empty tensor.
 constexpr int64_t kPerLayer = 22;
 
@@ -290,32 +494,22 @@ void add_delta(at::Tensor& x, const at::Tensor& low, const at::Tensor& b_t, int6
 }
 
 void decode_layers(at::Tensor x, at::TensorList weights, at::TensorList caches, const at::Tensor& rope, int64_t start,
-                   const std::optional<at::Tensor>& bias, int64_t mask_start, int64_t mask_end, int64_t num_heads,
+                   int64_t mask_start, int64_t mask_end, int64_t num_heads,
                    int64_t kv_heads, int64_t head_dim, int64_t inter, double eps, double scale) {
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == kPerLayer * static_cast<int64_t>(caches.size()),
               "decode_layers needs 22 weight tensors per layer");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat, "x must be contiguous float32");
   const int64_t n = x.size(0), q_dim = num_heads * head_dim, kv_dim = kv_heads * head_dim;
-  const int64_t groups = num_heads / kv_heads, end = start + n, qkv_out = q_dim + 2 * kv_dim;
+  const int64_t qkv_out = q_dim + 2 * kv_dim;
+  TORCH_CHECK(rope.scalar_type() == at::kComplexFloat, "rope must be complex64 (cos + i sin per pair)");
+  const at::Tensor pairs = at::view_as_real(rope);
   for (size_t layer = 0; layer < caches.size(); ++layer) {
     const at::Tensor* w = weights.data() + layer * kPerLayer;
     const at::Tensor y = grouped_linear<Q41>(x, w[1], w[2], w[3].data_ptr<float>(), 16, present(w[4]), std::nullopt,
                                              w[0], eps);
     const at::Tensor qkv = with_delta(y, qkv_out, w[5], mask_start, mask_end);
-    at::view_as_complex(qkv.slice(1, 0, q_dim + kv_dim).view({n, num_heads + kv_heads, head_dim / 2, 2})).mul_(rope);
-    const at::Tensor& kv = caches[layer];
-    kv.slice(2, start, end).copy_(qkv.slice(1, q_dim).view({n, 2, kv_heads, head_dim}).permute({1, 2, 0, 3}));
-    const at::Tensor q = qkv.slice(1, 0, q_dim);
-    const at::Tensor keys = kv[0].slice(1, 0, end), values = kv[1].slice(1, 0, end);
-    const at::Tensor qg = n == 1 ? q.view({kv_heads, groups, head_dim})
-                                 : q.view({n, kv_heads, groups, head_dim}).permute({1, 2, 0, 3}).reshape(
-                                       {kv_heads, groups * n, head_dim});
-    const at::Tensor scores = bias.has_value() ? at::baddbmm(*bias, qg, keys.transpose(1, 2), 1.0, scale)
-                                               : at::bmm(qg, keys.transpose(1, 2)).mul_(scale);
-    const at::Tensor out = at::bmm(at::softmax(scores, -1), values);
-    const at::Tensor attended = n == 1 ? out.view({1, q_dim})
-                                       : out.view({kv_heads, groups, n, head_dim}).permute({2, 0, 1, 3}).reshape(
-                                             {n, q_dim});
+    const at::Tensor attended = attend_pairs(qkv, pairs, caches.slice(layer, 1), {start}, {n}, num_heads, kv_heads,
+                                             head_dim, scale);
     const at::Tensor low_o = grouped_linear<Q41>(attended.contiguous(), w[6], w[7], w[8].data_ptr<float>(), 16,
                                                  present(w[9]), x, std::nullopt, eps);
     add_delta(x, low_o, w[10], mask_start, mask_end);
@@ -343,13 +537,18 @@ TORCH_LIBRARY(agent_mtp_blockq, m) {
       "Tensor? norm=None, float eps=1e-5) -> Tensor");
   // every decoder layer of one sequence's short pass, in place on x and the caches (see decode_layers above)
   m.def(
-      "decode_layers(Tensor(a!) x, Tensor[] weights, Tensor(b!)[] caches, Tensor rope, int start, Tensor? bias, "
+      "decode_layers(Tensor(a!) x, Tensor[] weights, Tensor(b!)[] caches, Tensor rope, int start, "
       "int mask_start, int mask_end, int num_heads, int kv_heads, int head_dim, int inter, float eps, float scale) "
       "-> ()");
+  // RoPE, the cache write and causal attention of a pass's new rows, every sequence (segment) of it in one call
+  m.def(
+      "attend(Tensor(a!) qkv, Tensor rope, Tensor(b!)[] caches, int[] starts, int[] rows, int num_heads, "
+      "int kv_heads, int head_dim, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(agent_mtp_blockq, CPU, m) {
   m.impl("decode_layers", &decode_layers);
+  m.impl("attend", &attend);
   m.impl("q4_1_linear", &q4_1_linear);
   m.impl("q8_0_linear", &q8_0_linear);
 }
