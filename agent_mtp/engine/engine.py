@@ -353,6 +353,10 @@ class MTPEngine:
         slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", self.model_id)
         dtype = str(self.model.dtype).replace("torch.", "")
         kernels = "" if self.runtime == "hf" else f"-{blockq.kernel_tag() if self.block_weights else 'fp32'}"
+        if self.runtime != "hf" and self.block_weights:
+            self.new_runner()  # prepares the fast model, which settles how many rows read the blocks
+            assert self._fast is not None
+            kernels += f"-r{self._fast.block_rows}"
         name = f"{slug}-{device}-{dtype}-{self.runtime}{kernels}-t{compute_threads()}.json"
         return cache_root() / "cost_curves" / name
 

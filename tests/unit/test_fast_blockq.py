@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from agent_mtp.engine import DecodeConfig, MTPEngine, new_adapter
 from agent_mtp.engine.fast import FastModel, blockq
 from agent_mtp.engine.loading import LoadedModel, ensure_mask_token
+from agent_mtp.errors import ConfigError
 from tests.tiny import tiny_tokenizer
 from tests.unit.test_fast_runtime import _family_model, _random_ids
 
@@ -339,3 +340,66 @@ def test_fast_model_attends_with_the_kernel_and_batches_give_single_numbers(engi
     got = fast.forward_batch([BatchItem(t, c, len(t)) for t, c in zip(steps, batched, strict=True)])
     for a, b in zip(got, expected, strict=True):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def _block_linears(count: int) -> list[Any]:
+    from agent_mtp.engine.fast.weights import PackedLinear
+
+    return [PackedLinear(q4_1(torch.randn(64, 128)), prepack=False) for _ in range(count)]
+
+
+@pytest.mark.parametrize(("slow", "expected"), [("blocks", 1), ("dense", 31)])
+def test_crossover_measurement_picks_the_faster_path(monkeypatch: pytest.MonkeyPatch, slow: str, expected: int) -> None:
+    """Blocks that lose from 2 rows on keep 1 row; a float32 GEMM that always loses leaves every candidate to them."""
+    import time
+
+    from agent_mtp.engine.fast import weights
+
+    linears = _block_linears(3)
+    for linear in linears:
+        product = getattr(linear, f"{slow}_product")
+
+        def slowed(x: torch.Tensor, norm: Any = None, product: Any = product) -> torch.Tensor:
+            time.sleep(0.002)
+            return product(x, norm)
+
+        monkeypatch.setattr(linear, f"{slow}_product", slowed)
+    assert weights.measure_block_rows(linears, rounds=1) == expected
+    assert expected in (1, *weights.CROSSOVER_CANDIDATES)
+
+
+def test_crossover_can_be_pinned(monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = _engine("plain-llama", adapter=False)
+    monkeypatch.setenv(blockq.ROWS_ENV, "7")
+    fast = FastModel.from_hf(engine.model, mask_token_id=engine.mask_token_id)
+    assert fast.block_rows == 7
+    assert fast.layers[0].gate_up.linear.reads_blocks(7) and not fast.layers[0].gate_up.linear.reads_blocks(8)
+    cache = fast.new_cache()
+    fast.forward(_random_ids(12, seed=1), cache, 1)
+    seven = _random_ids(7, seed=2)
+    assert torch.equal(fast.forward(seven, cache, 7), _fused_off(fast).forward(seven, _replay(fast, cache), 7))
+    monkeypatch.setenv(blockq.ROWS_ENV, "eight")
+    with pytest.raises(ConfigError, match="AGENT_MTP_BLOCK_ROWS='eight' is not a whole number"):
+        FastModel.from_hf(engine.model, mask_token_id=engine.mask_token_id)
+
+
+def _fused_off(model: FastModel) -> FastModel:
+    import copy
+
+    loop = copy.copy(model)
+    loop._fused = None
+    return loop
+
+
+def _replay(model: FastModel, cache: Any) -> Any:
+    """A fresh cache holding the same first 12 positions (the prompt of the test above)."""
+    fresh = model.new_cache()
+    model.forward(_random_ids(12, seed=1), fresh, 1)
+    return fresh
+
+
+def test_small_models_keep_the_default_crossover(engine: MTPEngine) -> None:
+    fast = FastModel.from_hf(engine.model, mask_token_id=engine.mask_token_id)
+    assert fast.block_rows == blockq.MAX_ROWS  # far below the bytes worth measuring
+    dense = FastModel.from_hf(engine.model, mask_token_id=engine.mask_token_id, blocks=False)
+    assert dense.block_rows == 0

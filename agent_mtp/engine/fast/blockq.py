@@ -6,8 +6,8 @@ engine loads holds exactly those values, so the blocks can be recovered from it 
 kernel that rebuilds each weight in float32 from its block reads 0.75 (Q4_1) or 1.125 (Q8_0) bytes per weight instead
 of 4, for identical weights. A one-token pass is bound by the bytes it reads, so its linear layers take less than
 half the time of the pre-packed float32 GEMM here; past a few rows the float32 GEMM is faster (the rebuild is paid
-per block of rows), so :class:`BlockWeights` is used for passes of up to :data:`MAX_ROWS` rows (measured, see
-``docs/benchmarks.md``).
+per block of rows), so :class:`BlockWeights` is used for passes of up to a crossover measured on the machine
+(:data:`MAX_ROWS`, ``docs/benchmarks.md``).
 
 Every output of the kernel is one fixed sequence of float32 operations, whatever the number of rows, so a row's
 result does not depend on the rows beside it. The kernels are C++ (AVX2 + FMA) compiled once per machine into the
@@ -29,13 +29,18 @@ from pathlib import Path
 
 import torch
 
+from agent_mtp.errors import ConfigError
+
 log = logging.getLogger("agent_mtp.engine.fast")
 
 MAX_ROWS = 4
-"""Passes of at most this many rows read the blocks; longer ones the pre-packed float32 weights. Measured here
-(default model, 2 threads, whole fast-runtime passes on a 300-token context, blocks vs float32 GEMM): 1 token 7.1 vs
-13.8 ms, 2 tokens 9.5 vs 14.9, 3 tokens 13.0 vs 15.9, 4 tokens 14.6 vs 16.3, 5 tokens 18.4 vs 17.2, 8 tokens 23.5 vs
-19.4 (all linear layers alone: 1 row 4.4 vs 10.5 ms, 4 rows 9.8 vs 11.9, 8 rows 17.5 vs 14.0)."""
+"""Passes of at most this many rows read the blocks, longer ones the pre-packed float32 weights, where the crossover
+is not measured (models small enough to sit in the CPU caches) or pinned (:data:`ROWS_ENV`). For larger models the
+fast runtime measures it once per process (:func:`agent_mtp.engine.fast.weights.measure_block_rows`): it depends on
+the machine's memory bandwidth against its arithmetic (measured on two machines of the same kind: 4 rows on one, at
+least 32 on the other, where the float32 GEMM ran at half the bandwidth)."""
+ROWS_ENV = "AGENT_MTP_BLOCK_ROWS"
+"""Set to a whole number to pin the crossover (0: never read the blocks) instead of measuring it."""
 BLOCK = 32
 GROUP = 8
 """Output features stored together, block-interleaved, so a kernel reads one contiguous stream per group."""
@@ -69,6 +74,16 @@ def kernels_available() -> bool:
 def kernel_tag() -> str:
     """A short name of the weight path passes take (part of the cost curve's cache key)."""
     return "blockq2" if enabled() and kernels_available() else "fp32"
+
+
+def pinned_rows() -> int | None:
+    """The crossover pinned by :data:`ROWS_ENV`, or None where it is unset (then it is measured)."""
+    raw = os.environ.get(ROWS_ENV, "").strip()
+    if not raw:
+        return None
+    if not raw.isdigit():
+        raise ConfigError(f"{ROWS_ENV}={raw!r} is not a whole number of rows; set e.g. {ROWS_ENV}=8, or unset it.")
+    return int(raw)
 
 
 def _unsupported_reason() -> str | None:

@@ -12,6 +12,7 @@ and logits are computed only for the last ``keep`` rows (the rows the decoder re
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 from collections.abc import Sequence
@@ -23,7 +24,17 @@ import torch.nn.functional as F
 
 from agent_mtp.engine.fast import blockq
 from agent_mtp.engine.fast.cache import KVCache
-from agent_mtp.engine.fast.weights import WEIGHT_DTYPES, PackedLinear, Projection, rope_pair_order, stack_low_rank
+from agent_mtp.engine.fast.weights import (
+    CROSSOVER_BYTES,
+    WEIGHT_DTYPES,
+    PackedLinear,
+    Projection,
+    measure_block_rows,
+    rope_pair_order,
+    stack_low_rank,
+)
+
+log = logging.getLogger("agent_mtp.engine.fast")
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3"})
 SDPA_FROM_ROWS = 32
@@ -164,6 +175,9 @@ class FastModel:
         self.final_norm = decoder.norm.weight.detach().float()
         self.lm_head = PackedLinear(model.get_output_embeddings().weight.detach(), prepack=prepack, blocks=blocks)
         self._fused = _fused_weights(self.layers)
+        self.block_rows = self._settle_block_rows()
+        """Passes of up to this many rows read the quantization blocks (0: none are kept), longer ones the float32
+        GEMM: pinned by ``AGENT_MTP_BLOCK_ROWS``, else measured here for models past the CPU caches."""
         self._attend_kernel = self.head_dim % 8 == 0 and blockq.enabled() and blockq.kernels_available()
         """Whether short passes attend with the C++ kernel (RoPE, cache write and attention of every sequence in one
         call per layer) instead of ATen's bmm / softmax / bmm per sequence."""
@@ -177,6 +191,23 @@ class FastModel:
         (:mod:`agent_mtp.engine.fast.blockq`); False keeps only the float32 GEMM."""
         with torch.no_grad():
             return cls(model, mask_token_id=mask_token_id, prepack=prepack, blocks=blocks)
+
+    def _linears(self) -> list[PackedLinear]:
+        projections = [p for layer in self.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        return [p.linear for p in projections] + [self.lm_head]
+
+    def _settle_block_rows(self) -> int:
+        linears = self._linears()
+        if all(linear.blocks is None for linear in linears):
+            return 0
+        rows = blockq.pinned_rows()
+        if rows is None and sum(linear.nbytes() for linear in linears) >= CROSSOVER_BYTES:
+            rows = measure_block_rows(linears)
+            log.info("Block weights serve passes of up to %d rows here (measured against the float32 GEMM)", rows)
+        rows = blockq.MAX_ROWS if rows is None else rows
+        for linear in linears:
+            linear.block_rows = rows
+        return rows
 
     def new_cache(self, capacity: int = 256) -> KVCache:
         return KVCache(len(self.layers), self.kv_heads, self.head_dim, max_length=self.max_length, capacity=capacity)
@@ -261,7 +292,7 @@ class FastModel:
             by_kernel
             and self._fused is not None
             and len(segments) == 1
-            and len(tokens) <= blockq.MAX_ROWS
+            and len(tokens) <= self.block_rows
             and contiguous_masks
         ):
             self._fused_layers(x, segments[0], rope, rows if isinstance(rows, slice) else None)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
+import time
 from collections.abc import Sequence
 
 import torch
@@ -64,7 +66,7 @@ class PackedLinear:
     Inputs and outputs are float32. bfloat16 weights (half the bytes to read per pass) get their input rounded to
     bfloat16 for the GEMM (accumulated in float32 by oneDNN); the bias is added in float32. float32 weights that are
     exactly GGUF quantization blocks (the default model's) are also kept as blocks, which passes of up to
-    :data:`blockq.MAX_ROWS` rows read instead (same weights, ~5x fewer bytes; :mod:`agent_mtp.engine.fast.blockq`)."""
+    :attr:`block_rows` rows read instead (same weights, ~5x fewer bytes; :mod:`agent_mtp.engine.fast.blockq`)."""
 
     def __init__(
         self,
@@ -90,10 +92,16 @@ class PackedLinear:
         packed = _prepacked(dense) if prepack and _can_prepack(weight) else None
         self.packed = packed is not None
         self.weight = packed if packed is not None else dense
+        self.block_rows = blockq.MAX_ROWS
+        """Passes of up to this many rows read the blocks (the fast model sets its measured crossover)."""
 
     def reads_blocks(self, rows: int) -> bool:
         """Whether a pass of ``rows`` rows reads the quantization blocks (else the float32 weights)."""
-        return self.blocks is not None and rows <= blockq.MAX_ROWS
+        return self.blocks is not None and rows <= self.block_rows
+
+    def nbytes(self) -> int:
+        """Bytes of the float32 (or bfloat16) weights a float32 GEMM pass reads."""
+        return self.out_features * self.in_features * self.weight.element_size()
 
     def add_into(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
         """``residual[:, :out] += x W^T + b`` in place (fused into the kernel on block passes); returns the
@@ -113,8 +121,17 @@ class PackedLinear:
         """x [n, in] (float32) -> [n, out] (float32); with ``norm`` (weight, eps) the input is ``rms_norm(x) *
         weight`` (normalised inside the kernel on block passes)."""
         if self.blocks is not None and self.reads_blocks(x.shape[0]):
-            y = self.blocks(x, self.extra_rows, norm)
-            return y.add_(self.bias) if self.bias is not None else y
+            return self.blocks_product(x, norm)
+        return self.dense_product(x, norm)
+
+    def blocks_product(self, x: torch.Tensor, norm: blockq.Norm | None = None) -> torch.Tensor:
+        """:meth:`__call__` on the quantization blocks, whatever the number of rows."""
+        assert self.blocks is not None
+        y = self.blocks(x, self.extra_rows, norm)
+        return y.add_(self.bias) if self.bias is not None else y
+
+    def dense_product(self, x: torch.Tensor, norm: blockq.Norm | None = None) -> torch.Tensor:
+        """:meth:`__call__` on the float32 (or bfloat16) weights, whatever the number of rows."""
         if norm is not None:
             x = F.rms_norm(x, (x.shape[-1],), norm[0], norm[1])
         if self.dtype == torch.float32:
@@ -127,6 +144,56 @@ class PackedLinear:
         else:
             y = F.linear(low, self.weight).float()
         return y.add_(self.bias) if self.bias is not None else y
+
+
+CROSSOVER_CANDIDATES = (2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 31)
+"""Row counts at which :func:`measure_block_rows` compares the two weight paths (31: attention of longer passes
+switches to SDPA)."""
+CROSSOVER_BYTES = 64 << 20
+"""Float32 bytes of weights a crossover measurement multiplies per round: past every CPU cache, as in a real pass."""
+
+
+def measure_block_rows(linears: Sequence[PackedLinear], *, rounds: int = 3) -> int:
+    """The largest of :data:`CROSSOVER_CANDIDATES` up to which reading the blocks is at least as fast as the float32
+    GEMM (every smaller candidate included; 1 if the blocks lose at 2 rows).
+
+    Each round multiplies random rows by ``linears`` in turn until :data:`CROSSOVER_BYTES` of float32 weights have
+    been read (they stream from memory, as in a pass), on both paths alternately; the fastest of ``rounds`` counts.
+    Run it on the thread that will run the passes (its OpenMP pool is the one that is timed)."""
+    chosen: list[PackedLinear] = []
+    for linear in linears:
+        if linear.blocks is not None and sum(x.nbytes() for x in chosen) < CROSSOVER_BYTES:
+            chosen.append(linear)
+    if not chosen:
+        return blockq.MAX_ROWS
+    widest = max(CROSSOVER_CANDIDATES)
+    inputs = {
+        w: torch.randn(widest, w, generator=torch.Generator().manual_seed(0)) for w in {x.in_features for x in chosen}
+    }
+
+    def timed(blocks: bool, rows: int) -> float:
+        start = time.perf_counter()
+        for linear in chosen:
+            x = inputs[linear.in_features][:rows]
+            if blocks:
+                linear.blocks_product(x)
+            else:
+                linear.dense_product(x)
+        return time.perf_counter() - start
+
+    timed(True, 1)  # warm-up: first-touch pages, oneDNN primitives
+    timed(False, 1)
+    best = 1
+    for rows in CROSSOVER_CANDIDATES:
+        on_blocks = on_dense = math.inf
+        for _ in range(rounds):
+            on_blocks = min(on_blocks, timed(True, rows))
+            on_dense = min(on_dense, timed(False, rows))
+        log.debug("crossover: %d rows, blocks %.2f ms, float32 %.2f ms", rows, 1e3 * on_blocks, 1e3 * on_dense)
+        if on_blocks > on_dense:
+            break
+        best = rows
+    return best
 
 
 LowRankFactors = tuple[torch.Tensor, torch.Tensor]
