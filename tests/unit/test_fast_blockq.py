@@ -240,6 +240,30 @@ def test_fused_layers_give_the_python_loops_numbers(adapter: bool) -> None:
         cl.truncate(cl.length - 1)
 
 
+@pytest.mark.parametrize("adapter", [False, True])
+def test_fused_layers_serve_a_batch_with_the_python_loops_numbers(adapter: bool) -> None:
+    """Several sequences in one C++ layer pass, each with its own cache and its own mask tail."""
+    from agent_mtp.engine.fast.model import BatchItem
+
+    engine = _engine("plain-llama", adapter=adapter)
+    fused = FastModel.from_hf(engine.model, mask_token_id=engine.mask_token_id)
+    loop = FastModel.from_hf(engine.model, mask_token_id=engine.mask_token_id)
+    loop._fused = None
+    m = engine.mask_token_id
+    prompts = [_random_ids(6 + 5 * i, seed=20 + i) for i in range(3)]
+    caches = {id(model): [model.new_cache() for _ in prompts] for model in (fused, loop)}
+    for model in (fused, loop):
+        for ids, cache in zip(prompts, caches[id(model)], strict=True):
+            model.forward(ids, cache, 1)
+    for step in ([[5], [7, m], [9]], [[3, m, m], [4], [m, 8]]):  # 4 and 6 rows; masks in several sequences
+        a = fused.forward_batch([BatchItem(t, c, len(t)) for t, c in zip(step, caches[id(fused)], strict=True)])
+        b = loop.forward_batch([BatchItem(t, c, len(t)) for t, c in zip(step, caches[id(loop)], strict=True)])
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+        for cf, cl in zip(caches[id(fused)], caches[id(loop)], strict=True):
+            layers = zip(cf.layers, cl.layers, strict=True)
+            assert all(torch.equal(x[:, :, : cf.length], y[:, :, : cl.length]) for x, y in layers)
+
+
 def _reference_attention(
     qkv: torch.Tensor, rope: torch.Tensor, kv: torch.Tensor, start: int, heads: int, kv_heads: int, d: int
 ) -> torch.Tensor:

@@ -27,6 +27,7 @@ from agent_mtp.engine.fast.cache import KVCache
 from agent_mtp.engine.fast.weights import (
     CROSSOVER_BYTES,
     WEIGHT_DTYPES,
+    MaskRuns,
     PackedLinear,
     Projection,
     measure_block_rows,
@@ -283,19 +284,13 @@ class FastModel:
         segments = self._segments(items, biases=not by_kernel)
         tokens = [t for item in items for t in item.tokens]
         x = F.embedding(torch.tensor(tokens, dtype=torch.long), self.embed).float()  # [N, H]
-        rows = _mask_rows(tokens, self.mask_token_id)
-        if rows is not None and self.mask_embedding is not None:
-            x[rows] = self.mask_embedding
+        rows = _mask_runs(tokens, self.mask_token_id)
+        if self.mask_embedding is not None:
+            for run in rows:
+                x[run] = self.mask_embedding
         rope = segments[0].rope if len(segments) == 1 else torch.cat([seg.rope for seg in segments])  # [N, 1, d/2]
-        contiguous_masks = not isinstance(rows, torch.Tensor)  # a slice or none: what decode_layers takes
-        if (
-            by_kernel
-            and self._fused is not None
-            and len(segments) == 1
-            and len(tokens) <= self.block_rows
-            and contiguous_masks
-        ):
-            self._fused_layers(x, segments[0], rope, rows if isinstance(rows, slice) else None)
+        if by_kernel and self._fused is not None and len(tokens) <= self.block_rows:
+            self._fused_layers(x, segments, rope, rows)
         else:
             for i, layer in enumerate(self.layers):
                 self._layer(layer, i, x, segments, rope, rows, by_kernel)
@@ -329,7 +324,7 @@ class FastModel:
         x: torch.Tensor,
         segments: list[_Segment],
         rope: torch.Tensor,
-        rows: slice | torch.Tensor | None,
+        rows: MaskRuns,
         by_kernel: bool,
     ) -> None:
         n = x.shape[0]
@@ -359,17 +354,18 @@ class FastModel:
         act.mul_(gate_up[:, layer.inter :])
         layer.down.add_into(x, act, rows)
 
-    def _fused_layers(self, x: torch.Tensor, seg: _Segment, rope: torch.Tensor, rows: slice | None) -> None:
-        """All layers of one sequence's short block pass in one C++ call (the same ops as :meth:`_layer`)."""
+    def _fused_layers(self, x: torch.Tensor, segments: Sequence[_Segment], rope: torch.Tensor, rows: MaskRuns) -> None:
+        """All layers of a short block pass (one sequence or a batch) in one C++ call (the same ops as
+        :meth:`_layer`)."""
         assert self._fused is not None
         torch.ops.agent_mtp_blockq.decode_layers(
             x,
             self._fused,
-            seg.cache.layers,
+            [seg.cache.layers[i] for i in range(len(self.layers)) for seg in segments],  # layer-major
             rope,
-            seg.start,
-            rows.start if rows is not None else 0,
-            rows.stop if rows is not None else 0,
+            [seg.start for seg in segments],
+            [seg.row_end - seg.row_start for seg in segments],
+            [bound for run in rows for bound in (run.start, run.stop)],
             self.num_heads,
             self.kv_heads,
             self.head_dim,
@@ -454,13 +450,17 @@ def _fused_weights(layers: Sequence[_Layer]) -> list[torch.Tensor] | None:
     return fused
 
 
-def _mask_rows(tokens: Sequence[int], mask_token_id: int | None) -> slice | torch.Tensor | None:
-    """Rows holding the mask token: a slice when they are contiguous (the decode loop's tail), else indices."""
+def _mask_runs(tokens: Sequence[int], mask_token_id: int | None) -> list[slice]:
+    """Rows holding the mask token, as runs of consecutive rows (the decode loop's tail; one per sequence in a
+    batch)."""
     if mask_token_id is None:
-        return None
-    positions = [i for i, t in enumerate(tokens) if t == mask_token_id]
-    if not positions:
-        return None
-    if positions[-1] - positions[0] + 1 == len(positions):
-        return slice(positions[0], positions[-1] + 1)
-    return torch.tensor(positions, dtype=torch.long)
+        return []
+    runs: list[slice] = []
+    for i, token in enumerate(tokens):
+        if token != mask_token_id:
+            continue
+        if runs and runs[-1].stop == i:
+            runs[-1] = slice(runs[-1].start, i + 1)
+        else:
+            runs.append(slice(i, i + 1))
+    return runs

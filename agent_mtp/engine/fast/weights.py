@@ -197,6 +197,8 @@ def measure_block_rows(linears: Sequence[PackedLinear], *, rounds: int = 3) -> i
 
 
 LowRankFactors = tuple[torch.Tensor, torch.Tensor]
+MaskRuns = Sequence[slice]
+"""The rows of a pass that hold mask tokens, as runs of consecutive rows (each sequence's tail, in a batch)."""
 """A gated adapter's delta for one fused GEMM: ``A`` [R, in] and ``B^T`` [R, out] with the LoRA scale folded in."""
 
 
@@ -227,31 +229,25 @@ class Projection:
             self.b_t = b_t.contiguous()
         self.linear = PackedLinear(weight, bias, prepack=prepack, blocks=blocks, extra_rows=self.a)
 
-    def __call__(
-        self, x: torch.Tensor, rows: slice | torch.Tensor | None, norm: blockq.Norm | None = None
-    ) -> torch.Tensor:
-        """x [n, in] -> [n, out]; ``rows``: the mask rows (a slice when contiguous, else indices) or None; ``norm``:
-        an RMS norm (weight, eps) applied to x first."""
+    def __call__(self, x: torch.Tensor, rows: MaskRuns, norm: blockq.Norm | None = None) -> torch.Tensor:
+        """x [n, in] -> [n, out]; ``rows``: the mask rows as runs of consecutive rows (or empty); ``norm``: an RMS
+        norm (weight, eps) applied to x first."""
         y = self.linear(x, norm)
         if self.b_t is None:
             return y
         out = self.out_features
-        if isinstance(rows, slice):
-            y[rows, :out].addmm_(y[rows, out:], self.b_t)
-        elif rows is not None:
-            y[:, :out].index_add_(0, rows, torch.mm(y.index_select(0, rows)[:, out:], self.b_t))
+        for run in rows:  # one small GEMM per run, as the C++ layer pass does
+            y[run, :out].addmm_(y[run, out:], self.b_t)
         return y[:, :out]
 
-    def add_into(self, residual: torch.Tensor, x: torch.Tensor, rows: slice | torch.Tensor | None) -> None:
+    def add_into(self, residual: torch.Tensor, x: torch.Tensor, rows: MaskRuns) -> None:
         """``residual += self(x, rows)`` in place: the GEMM adds into the residual (in the kernel on block passes),
         then the adapter's delta is added at the mask rows."""
         low = self.linear.add_into(residual, x)
         if self.b_t is None or low is None:
             return
-        if isinstance(rows, slice):
-            residual[rows].addmm_(low[rows], self.b_t)
-        elif rows is not None:
-            residual.index_add_(0, rows, torch.mm(low.index_select(0, rows), self.b_t))
+        for run in rows:
+            residual[run].addmm_(low[run], self.b_t)
 
 
 def stack_low_rank(

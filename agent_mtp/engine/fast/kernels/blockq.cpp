@@ -469,7 +469,7 @@ at::Tensor attend(const at::Tensor& qkv, const at::Tensor& rope, at::TensorList 
   return attend_pairs(qkv, at::view_as_real(rope), caches, starts, rows, num_heads, kv_heads, d, scale);
 }
 
-// Every decoder layer of a Llama-family model for one sequence's short pass (up to a few rows), in one call: the same
+// Every decoder layer of a Llama-family model for a short block pass (one sequence or a batch), in one call: the same
 // kernels and ATen ops in the same order as the Python layer loop (engine/fast/model.py: FastModel._layer), so the
 // numbers are identical; what goes is ~15 Python-level calls per layer. ``weights`` holds 22 tensors
 // per layer (see engine/fast/model.py: _fused_weights); an absent adapter factor is an empty tensor.
@@ -479,48 +479,60 @@ std::optional<at::Tensor> present(const at::Tensor& t) {
   return t.numel() > 0 ? std::optional<at::Tensor>(t) : std::nullopt;
 }
 
-// y[rows, :out] += y[rows, out:] b_t (the adapter's delta at the mask rows [ms, me)); returns y[:, :out].
-at::Tensor with_delta(const at::Tensor& y, int64_t out, const at::Tensor& b_t, int64_t ms, int64_t me) {
-  if (me > ms && b_t.numel() > 0) {
-    const at::Tensor rows = y.slice(0, ms, me);
-    rows.slice(1, 0, out).addmm_(rows.slice(1, out), b_t);
-  }
+// y[rows, :out] += y[rows, out:] b_t (the adapter's delta at the mask rows: runs [ms, me), flattened in ``runs``);
+// returns y[:, :out].
+at::Tensor with_delta(const at::Tensor& y, int64_t out, const at::Tensor& b_t, at::IntArrayRef runs) {
+  if (b_t.numel() > 0)
+    for (size_t i = 0; i + 1 < runs.size(); i += 2) {
+      const at::Tensor rows = y.slice(0, runs[i], runs[i + 1]);
+      rows.slice(1, 0, out).addmm_(rows.slice(1, out), b_t);
+    }
   return y.slice(1, 0, out);
 }
 
 // x += (block product into x) and, at the mask rows, the adapter's delta from the extra rows' product ``low``.
-void add_delta(at::Tensor& x, const at::Tensor& low, const at::Tensor& b_t, int64_t ms, int64_t me) {
-  if (me > ms && b_t.numel() > 0) x.slice(0, ms, me).addmm_(low.slice(0, ms, me), b_t);
+void add_delta(at::Tensor& x, const at::Tensor& low, const at::Tensor& b_t, at::IntArrayRef runs) {
+  if (b_t.numel() > 0)
+    for (size_t i = 0; i + 1 < runs.size(); i += 2)
+      x.slice(0, runs[i], runs[i + 1]).addmm_(low.slice(0, runs[i], runs[i + 1]), b_t);
 }
 
-void decode_layers(at::Tensor x, at::TensorList weights, at::TensorList caches, const at::Tensor& rope, int64_t start,
-                   int64_t mask_start, int64_t mask_end, int64_t num_heads,
+// ``caches`` holds every layer's cache of every sequence, layer-major (layer l, sequence s at l * S + s); sequence s
+// has ``rows[s]`` rows of x, in order, and its new tokens go to positions starts[s]..; ``mask_runs`` are the mask
+// rows as flattened [start, stop) pairs.
+void decode_layers(at::Tensor x, at::TensorList weights, at::TensorList caches, const at::Tensor& rope,
+                   at::IntArrayRef starts, at::IntArrayRef rows, at::IntArrayRef mask_runs, int64_t num_heads,
                    int64_t kv_heads, int64_t head_dim, int64_t inter, double eps, double scale) {
-  TORCH_CHECK(static_cast<int64_t>(weights.size()) == kPerLayer * static_cast<int64_t>(caches.size()),
+  const int64_t layers = static_cast<int64_t>(weights.size()) / kPerLayer;
+  const int64_t sequences = static_cast<int64_t>(starts.size());
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == kPerLayer * layers && layers > 0,
               "decode_layers needs 22 weight tensors per layer");
+  TORCH_CHECK(static_cast<int64_t>(caches.size()) == layers * sequences && sequences > 0,
+              "decode_layers needs one cache per layer and sequence");
+  TORCH_CHECK(mask_runs.size() % 2 == 0, "mask_runs must be [start, stop) pairs");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat, "x must be contiguous float32");
-  const int64_t n = x.size(0), q_dim = num_heads * head_dim, kv_dim = kv_heads * head_dim;
+  const int64_t q_dim = num_heads * head_dim, kv_dim = kv_heads * head_dim;
   const int64_t qkv_out = q_dim + 2 * kv_dim;
   TORCH_CHECK(rope.scalar_type() == at::kComplexFloat, "rope must be complex64 (cos + i sin per pair)");
   const at::Tensor pairs = at::view_as_real(rope);
-  for (size_t layer = 0; layer < caches.size(); ++layer) {
+  for (int64_t layer = 0; layer < layers; ++layer) {
     const at::Tensor* w = weights.data() + layer * kPerLayer;
     const at::Tensor y = grouped_linear<Q41>(x, w[1], w[2], w[3].data_ptr<float>(), 16, present(w[4]), std::nullopt,
                                              w[0], eps);
-    const at::Tensor qkv = with_delta(y, qkv_out, w[5], mask_start, mask_end);
-    const at::Tensor attended = attend_pairs(qkv, pairs, caches.slice(layer, 1), {start}, {n}, num_heads, kv_heads,
-                                             head_dim, scale);
+    const at::Tensor qkv = with_delta(y, qkv_out, w[5], mask_runs);
+    const at::Tensor attended = attend_pairs(qkv, pairs, caches.slice(layer * sequences, sequences), starts, rows,
+                                             num_heads, kv_heads, head_dim, scale);
     const at::Tensor low_o = grouped_linear<Q41>(attended.contiguous(), w[6], w[7], w[8].data_ptr<float>(), 16,
                                                  present(w[9]), x, std::nullopt, eps);
-    add_delta(x, low_o, w[10], mask_start, mask_end);
+    add_delta(x, low_o, w[10], mask_runs);
     const at::Tensor gu_all = grouped_linear<Q41>(x, w[12], w[13], w[14].data_ptr<float>(), 16, present(w[15]),
                                                   std::nullopt, w[11], eps);
-    const at::Tensor gate_up = with_delta(gu_all, 2 * inter, w[16], mask_start, mask_end);
+    const at::Tensor gate_up = with_delta(gu_all, 2 * inter, w[16], mask_runs);
     at::Tensor act = at::silu(gate_up.slice(1, 0, inter));
     act.mul_(gate_up.slice(1, inter, 2 * inter));
     const at::Tensor low_d = grouped_linear<Q41>(act, w[17], w[18], w[19].data_ptr<float>(), 16, present(w[20]), x,
                                                  std::nullopt, eps);
-    add_delta(x, low_d, w[21], mask_start, mask_end);
+    add_delta(x, low_d, w[21], mask_runs);
   }
 }
 
@@ -535,11 +547,10 @@ TORCH_LIBRARY(agent_mtp_blockq, m) {
   m.def(
       "q8_0_linear(Tensor x, Tensor qs, Tensor scale, Tensor? extra=None, Tensor(a!)? residual=None, "
       "Tensor? norm=None, float eps=1e-5) -> Tensor");
-  // every decoder layer of one sequence's short pass, in place on x and the caches (see decode_layers above)
+  // every decoder layer of a short block pass (one sequence or a batch), in place on x and the caches (see above)
   m.def(
-      "decode_layers(Tensor(a!) x, Tensor[] weights, Tensor(b!)[] caches, Tensor rope, int start, "
-      "int mask_start, int mask_end, int num_heads, int kv_heads, int head_dim, int inter, float eps, float scale) "
-      "-> ()");
+      "decode_layers(Tensor(a!) x, Tensor[] weights, Tensor(b!)[] caches, Tensor rope, int[] starts, int[] rows, "
+      "int[] mask_runs, int num_heads, int kv_heads, int head_dim, int inter, float eps, float scale) -> ()");
   // RoPE, the cache write and causal attention of a pass's new rows, every sequence (segment) of it in one call
   m.def(
       "attend(Tensor(a!) qkv, Tensor rope, Tensor(b!)[] caches, int[] starts, int[] rows, int num_heads, "
