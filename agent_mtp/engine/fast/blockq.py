@@ -37,8 +37,8 @@ MAX_ROWS = 4
 """Passes of at most this many rows read the blocks, longer ones the pre-packed float32 weights, where the crossover
 is not measured (models small enough to sit in the CPU caches) or pinned (:data:`ROWS_ENV`). For larger models the
 fast runtime measures it once per process (:func:`agent_mtp.engine.fast.weights.measure_block_rows`): it depends on
-the machine's memory bandwidth against its arithmetic (measured on two machines of the same kind: 4 rows on one, at
-least 32 on the other, where the float32 GEMM ran at half the bandwidth)."""
+the machine's memory bandwidth against its arithmetic (measured on two machines of the same kind: 4 rows on one,
+16-31 on the other, where the float32 GEMM ran at less than half the bandwidth)."""
 ROWS_ENV = "AGENT_MTP_BLOCK_ROWS"
 """Set to a whole number to pin the crossover (0: never read the blocks) instead of measuring it."""
 BLOCK = 32

@@ -197,9 +197,9 @@ def measure_block_rows(linears: Sequence[PackedLinear], *, rounds: int = 3) -> i
 
 
 LowRankFactors = tuple[torch.Tensor, torch.Tensor]
+"""A gated adapter's delta for one fused GEMM: ``A`` [R, in] and ``B^T`` [R, out] with the LoRA scale folded in."""
 MaskRuns = Sequence[slice]
 """The rows of a pass that hold mask tokens, as runs of consecutive rows (each sequence's tail, in a batch)."""
-"""A gated adapter's delta for one fused GEMM: ``A`` [R, in] and ``B^T`` [R, out] with the LoRA scale folded in."""
 
 
 class Projection:
