@@ -17,6 +17,8 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from agent_mtp.engine.acceptance import expected_accepted
@@ -176,6 +178,7 @@ class Planner:
         """``room`` = tokens left minus one."""
         assert self.curve is not None, "cost-aware verification needs a cost curve"
         self._passes += 1
+        cost = functools.cache(self.curve.cost)  # the options below ask for the same few sizes many times
         best: tuple[float, Draft | None, int] = (-1.0, None, 0)
         options: list[tuple[Draft | None, list[float]]] = [(None, [])]
         for candidate in candidates:
@@ -188,25 +191,24 @@ class Planner:
             length = len(option.tokens) if option else 0
             for masks in range(0, max(min(self.k_cap - 1, room - length), 0) + 1):
                 future = p_all * (mask_gain[masks - 1] if masks else 0.0) * FUTURE_CREDIT
-                score = (1.0 + expected + future) / self.curve.cost(pending + length + masks)
+                score = (1.0 + expected + future) / cost(pending + length + masks)
                 if score > best[0] + 1e-12:
                     best = (score, option, masks)
         _, draft, masks = best
         if self.explore_every and self._passes % self.explore_every == 0 and masks == 0:
-            masks = self._explore_masks(pending, len(draft.tokens) if draft else 0, room)
+            masks = self._explore_masks(pending, len(draft.tokens) if draft else 0, room, cost)
         return Plan(draft, masks)
 
-    def _explore_masks(self, pending: int, length: int, room: int) -> int:
+    def _explore_masks(self, pending: int, length: int, room: int, cost: Callable[[int], float]) -> int:
         """Masks an exploring pass adds to a draft of ``length``: as many as fit in the exploration allowance,
         which is measured against the plain pass (``pending`` tokens), so that exploring costs at most
         EXPLORE_OVERHEAD on average however long the draft is, and fewer masks when rows are dear (a pass shared
         with other sequences)."""
-        assert self.curve is not None
         fed = pending + length
-        allowance = EXPLORE_OVERHEAD * self.explore_every * self.curve.cost(pending)
+        allowance = EXPLORE_OVERHEAD * self.explore_every * cost(pending)
         most = max(min(self.k_cap - 1, room - length), 0)
         masks = 0
-        while masks < most and self.curve.cost(fed + masks + 1) - self.curve.cost(fed) <= allowance:
+        while masks < most and cost(fed + masks + 1) - cost(fed) <= allowance:
             masks += 1
         return masks
 
