@@ -392,6 +392,28 @@ def test_crossover_measurement_picks_the_faster_path(monkeypatch: pytest.MonkeyP
     assert expected in (1, *weights.CROSSOVER_CANDIDATES)
 
 
+def test_one_noisy_loss_does_not_end_the_crossover_scan(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Blocks that lose only at 5 rows (a noise spike) and from 16 rows on: the scan goes past 5 and stops at 12."""
+    import time
+
+    from agent_mtp.engine.fast import weights
+
+    linears = _block_linears(1)
+    blocks, dense = linears[0].blocks_product, linears[0].dense_product
+
+    def sometimes_slow(x: torch.Tensor, norm: Any = None) -> torch.Tensor:
+        time.sleep(0.006 if x.shape[0] == 5 or x.shape[0] >= 16 else 0.0)
+        return blocks(x, norm)
+
+    def slow(x: torch.Tensor, norm: Any = None) -> torch.Tensor:
+        time.sleep(0.003)
+        return dense(x, norm)
+
+    monkeypatch.setattr(linears[0], "blocks_product", sometimes_slow)
+    monkeypatch.setattr(linears[0], "dense_product", slow)
+    assert weights.measure_block_rows(linears, rounds=1) == 12
+
+
 def test_crossover_can_be_pinned(monkeypatch: pytest.MonkeyPatch) -> None:
     engine = _engine("plain-llama", adapter=False)
     monkeypatch.setenv(blockq.ROWS_ENV, "7")

@@ -154,8 +154,9 @@ CROSSOVER_BYTES = 64 << 20
 
 
 def measure_block_rows(linears: Sequence[PackedLinear], *, rounds: int = 3) -> int:
-    """The largest of :data:`CROSSOVER_CANDIDATES` up to which reading the blocks is at least as fast as the float32
-    GEMM (every smaller candidate included; 1 if the blocks lose at 2 rows).
+    """The largest of :data:`CROSSOVER_CANDIDATES` at which reading the blocks is at least as fast as the float32
+    GEMM, scanning upwards until the blocks lose at two candidates in a row (one noisy loss does not end the scan);
+    1 if they lose at 2 and 3 rows.
 
     Each round multiplies random rows by ``linears`` in turn until :data:`CROSSOVER_BYTES` of float32 weights have
     been read (they stream from memory, as in a pass), on both paths alternately; the fastest of ``rounds`` counts.
@@ -183,16 +184,18 @@ def measure_block_rows(linears: Sequence[PackedLinear], *, rounds: int = 3) -> i
 
     timed(True, 1)  # warm-up: first-touch pages, oneDNN primitives
     timed(False, 1)
-    best = 1
+    best, losses = 1, 0
     for rows in CROSSOVER_CANDIDATES:
         on_blocks = on_dense = math.inf
         for _ in range(rounds):
             on_blocks = min(on_blocks, timed(True, rows))
             on_dense = min(on_dense, timed(False, rows))
         log.debug("crossover: %d rows, blocks %.2f ms, float32 %.2f ms", rows, 1e3 * on_blocks, 1e3 * on_dense)
-        if on_blocks > on_dense:
+        losses = losses + 1 if on_blocks > on_dense else 0
+        if losses == 2:
             break
-        best = rows
+        if not losses:
+            best = rows
     return best
 
 
