@@ -299,13 +299,17 @@ class MTPEngine:
         whenever a weight it copied has changed in place, e.g. by training)."""
         if self.runtime == "hf":
             return CachedRunner(self.model)
+        return FastRunner(self._fast_model())
+
+    def _fast_model(self) -> FastModel:
+        """The fast runtime's model, prepared on first use and again when a weight it copied changed in place."""
         with self._lock:
             if self._fast is None or self._fast.signature != source_signature(self.model):
                 log.info("Preparing the fast runtime for %s", self.model_id)
                 self._fast = compute().run(
                     FastModel.from_hf, self.model, mask_token_id=self.mask_token_id, blocks=self.block_weights
                 )
-            return FastRunner(self._fast)
+            return self._fast
 
     def _fit_to_context(self, cfg: DecodeConfig, prompt_len: int) -> DecodeConfig:
         k = 64 if cfg.k_max == "auto" else int(cfg.k_max)
@@ -354,9 +358,7 @@ class MTPEngine:
         dtype = str(self.model.dtype).replace("torch.", "")
         kernels = "" if self.runtime == "hf" else f"-{blockq.kernel_tag() if self.block_weights else 'fp32'}"
         if self.runtime != "hf" and self.block_weights:
-            self.new_runner()  # prepares the fast model, which settles how many rows read the blocks
-            assert self._fast is not None
-            kernels += f"-r{self._fast.block_rows}"
+            kernels += f"-r{self._fast_model().block_rows}"  # the crossover the prepared model settled on
         name = f"{slug}-{device}-{dtype}-{self.runtime}{kernels}-t{compute_threads()}.json"
         return cache_root() / "cost_curves" / name
 

@@ -120,7 +120,7 @@ class PackedLinear:
     def __call__(self, x: torch.Tensor, norm: blockq.Norm | None = None) -> torch.Tensor:
         """x [n, in] (float32) -> [n, out] (float32); with ``norm`` (weight, eps) the input is ``rms_norm(x) *
         weight`` (normalised inside the kernel on block passes)."""
-        if self.blocks is not None and self.reads_blocks(x.shape[0]):
+        if self.reads_blocks(x.shape[0]):
             return self.blocks_product(x, norm)
         return self.dense_product(x, norm)
 
@@ -162,9 +162,11 @@ def measure_block_rows(linears: Sequence[PackedLinear], *, rounds: int = 3) -> i
     been read (they stream from memory, as in a pass), on both paths alternately; the fastest of ``rounds`` counts.
     Run it on the thread that will run the passes (its OpenMP pool is the one that is timed)."""
     chosen: list[PackedLinear] = []
+    taken = 0
     for linear in linears:
-        if linear.blocks is not None and sum(x.nbytes() for x in chosen) < CROSSOVER_BYTES:
+        if linear.blocks is not None and taken < CROSSOVER_BYTES:
             chosen.append(linear)
+            taken += linear.nbytes()
     if not chosen:
         return blockq.MAX_ROWS
     widest = max(CROSSOVER_CANDIDATES)
