@@ -152,13 +152,64 @@ def test_weights_that_are_not_blocks_stay_float32() -> None:
 
 
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it() -> None:
+    """Within each kernel class (row kernels below LANE_ROWS rows, lane kernels from there) a row's numbers are the
+    same whatever the pass size and position; between the classes only the summation order differs."""
     blocks = blockq.block_weights(q4_1(torch.randn(24, 128)))
-    assert blocks is not None
-    x = torch.randn(7, 128)
+    assert blocks is not None and blocks.lanes is not None
+    lane = blockq.LANE_ROWS
+    x = torch.randn(19, 128)
+    short = blocks(x[: lane - 1])
+    for n in range(1, lane - 1):
+        assert torch.equal(blocks(x[:n]), short[:n])
+        assert torch.equal(blocks(x[n : n + 1]), short[n : n + 1])
     together = blocks(x)
-    for n in range(1, 7):
+    for n in range(lane, 19):  # 1, 2 and 3 tiles of 4-8 rows
         assert torch.equal(blocks(x[:n]), together[:n])
-        assert torch.equal(blocks(x[n : n + 1]), together[n : n + 1])
+        assert torch.equal(blocks(x[n - lane + 1 : n + 1]), together[n - lane + 1 : n + 1])
+    torch.testing.assert_close(together[: lane - 1], short, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [5, 8, 9, 13, 17, 24])
+def test_lane_kernels_match_the_float32_gemm(rows: int) -> None:
+    """Passes of LANE_ROWS rows or more: plain, with extra rows, normed, and added into a residual."""
+    weight = q4_1(torch.randn(40, 96))
+    blocks = blockq.block_weights(weight)
+    assert blocks is not None and blocks.lanes is not None and rows >= blockq.LANE_ROWS
+    x, extra, gain = torch.randn(rows, 96), torch.randn(3, 96), torch.randn(96)
+    torch.testing.assert_close(blocks(x), F.linear(x, weight), atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(blocks(x, extra), F.linear(x, torch.cat([weight, extra])), atol=2e-5, rtol=1e-5)
+    normed = F.linear(F.rms_norm(x, (96,), gain, 1e-6), weight)
+    torch.testing.assert_close(blocks(x, norm=(gain, 1e-6)), normed, atol=2e-5, rtol=1e-5)
+    residual = torch.randn(rows, 40)
+    expected = residual + F.linear(x, weight)
+    low = blocks.add_into(residual, x, extra)
+    torch.testing.assert_close(residual, expected, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(low, F.linear(x, extra), atol=2e-5, rtol=1e-5)
+
+
+def test_lane_layout_holds_each_feature_in_its_nibble() -> None:
+    weight = q4_1(torch.randn(16, 64))
+    blocks = blockq.block_weights(weight)
+    assert blocks is not None and blocks.lanes is not None
+    assert blocks.lanes.shape == (2, 2 * 128) and blocks.lanes.dtype == torch.uint8
+    words = blocks.lanes.view(torch.int32).reshape(2, 2, 32).long() & 0xFFFFFFFF  # [group, block, position]
+    scale = blocks.scale.reshape(2, 2, 8)
+    low = blocks.minimum.reshape(2, 2, 8) if blocks.minimum is not None else None
+    assert low is not None
+    for feature in range(16):
+        g, f = divmod(feature, 8)
+        q = (words[g] >> (4 * f)) & 15  # [block, position]
+        rebuilt = (q.float() * scale[g, :, f, None] + low[g, :, f, None]).reshape(-1)
+        assert torch.equal(rebuilt, weight[feature])
+
+
+def test_kernel_rejects_a_bad_lane_layout() -> None:
+    blocks = blockq.block_weights(q4_1(torch.randn(8, 64)))
+    assert blocks is not None and blocks.lanes is not None
+    with pytest.raises(RuntimeError, match="lanes must be"):
+        torch.ops.agent_mtp_blockq.q4_1_linear(
+            torch.randn(6, 64), blocks.qs, blocks.scale, blocks.minimum, lanes=blocks.lanes[:, :-4].contiguous()
+        )
 
 
 def test_kernel_rejects_bad_shapes_with_a_message() -> None:
@@ -262,6 +313,40 @@ def test_fused_layers_serve_a_batch_with_the_python_loops_numbers(adapter: bool)
         for cf, cl in zip(caches[id(fused)], caches[id(loop)], strict=True):
             layers = zip(cf.layers, cl.layers, strict=True)
             assert all(torch.equal(x[:, :, : cf.length], y[:, :, : cl.length]) for x, y in layers)
+
+
+@pytest.mark.parametrize("adapter", [False, True])
+def test_lane_kernel_passes_in_the_model(monkeypatch: pytest.MonkeyPatch, adapter: bool) -> None:
+    """Passes of LANE_ROWS rows or more on block weights (the crossover pinned past them): the fused C++ pass gives
+    the Python loop's numbers bit for bit, alone and batched, and both stay close to the float32 GEMM."""
+    from agent_mtp.engine.fast.model import BatchItem
+
+    monkeypatch.setenv(blockq.ROWS_ENV, "16")
+    engine = _engine("plain-llama", adapter=adapter)
+    fused = FastModel.from_hf(engine.model, mask_token_id=engine.mask_token_id)
+    loop = FastModel.from_hf(engine.model, mask_token_id=engine.mask_token_id)
+    dense = FastModel.from_hf(engine.model, mask_token_id=engine.mask_token_id, blocks=False)
+    loop._fused = None
+    m = engine.mask_token_id
+    models = (fused, loop, dense)
+    assert all(layer.gate_up.linear.blocks.lanes is not None for layer in fused.layers)  # type: ignore[union-attr]
+    prompts = [_random_ids(6 + 5 * i, seed=30 + i) for i in range(3)]
+    caches = {id(model): [model.new_cache() for _ in prompts] for model in models}
+    for model in models:
+        for ids, cache in zip(prompts, caches[id(model)], strict=True):
+            model.forward(ids, cache, 1)
+    steps = ([[5, 6, 7, 8, 9, m]], [[3, m, m], [4, 1], [m, 8, 2, m]], [[1, 2, 3, 4, 5, 6, 7, 8, 9, m, m], [4], [7]])
+    for step in steps:  # 6, 9 and 13 rows: one and two tiles
+        out = [
+            model.forward_batch([BatchItem(t, c, len(t)) for t, c in zip(step, caches[id(model)], strict=False)])
+            for model in models
+        ]
+        assert all(torch.equal(x, y) for x, y in zip(out[0], out[1], strict=True))
+        for x, y in zip(out[0], out[2], strict=True):
+            torch.testing.assert_close(x, y, atol=1e-4, rtol=1e-4)
+        for model in models:
+            for cache, tokens in zip(caches[id(model)], step, strict=False):
+                cache.truncate(cache.length - len(tokens) + 1)
 
 
 def _reference_attention(

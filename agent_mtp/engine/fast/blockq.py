@@ -16,6 +16,7 @@ cache directory with the system compiler; where that is impossible the fast runt
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -41,6 +42,11 @@ the machine's memory bandwidth against its arithmetic (measured on two machines 
 16-31 on the other, where the float32 GEMM ran at less than half the bandwidth)."""
 ROWS_ENV = "AGENT_MTP_BLOCK_ROWS"
 """Set to a whole number to pin the crossover (0: never read the blocks) instead of measuring it."""
+LANE_ROWS = 5
+"""Passes of at least this many rows take the lane kernels (``kLaneRows`` in kernels/blockq.cpp): 8 output features
+per vector, one rebuilt weight vector for every row of a tile; shorter passes the row kernels, which unpack 32
+weights at a time (a one-token pass is bound by memory). Each class gives a row the same numbers whatever the pass
+size; between the classes only the summation order differs."""
 BLOCK = 32
 GROUP = 8
 """Output features stored together, block-interleaved, so a kernel reads one contiguous stream per group."""
@@ -73,7 +79,7 @@ def kernels_available() -> bool:
 
 def kernel_tag() -> str:
     """A short name of the weight path passes take (part of the cost curve's cache key)."""
-    return "blockq2" if enabled() and kernels_available() else "fp32"
+    return "blockq3" if enabled() and kernels_available() else "fp32"
 
 
 def pinned_rows() -> int | None:
@@ -155,6 +161,16 @@ def _q8_0_blocks(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torc
     return q.to(torch.int8), scale, ok
 
 
+def _lanes(q4: torch.Tensor) -> torch.Tensor:
+    """Nibbles [rows, blocks, 32] (rows a multiple of 8) -> the lane kernels' layout [rows / 8, blocks * 128] uint8:
+    per group, block and position one little-endian 32-bit word whose byte j holds features 2j (low nibble) and
+    2j + 1 (high nibble)."""
+    rows, blocks, _ = q4.shape
+    by_group = q4.reshape(rows // GROUP, GROUP // 2, 2, blocks, BLOCK)  # [groups, byte j, low/high, blocks, i]
+    words = by_group[:, :, 0] | (by_group[:, :, 1] << 4)  # [groups, 4, blocks, 32]
+    return words.permute(0, 2, 3, 1).contiguous().reshape(rows // GROUP, -1)
+
+
 def _grouped(t: torch.Tensor) -> torch.Tensor:
     """[rows, blocks, per_block] -> the kernels' layout [rows / 8, blocks, 8, per_block], flattened to [rows, -1]."""
     rows, blocks, per_block = t.shape
@@ -178,9 +194,13 @@ class BlockWeights:
     minimum: torch.Tensor | None
     exception_rows: torch.Tensor | None
     exception_weight: torch.Tensor | None
+    lanes: torch.Tensor | None = None
+    """Q4_1: the nibbles again, feature-interleaved for the lane kernels that passes of :data:`LANE_ROWS` rows or more
+    take (one 32-bit word per group, block and position: feature f in bits 4f..4f+3)."""
 
     @property
     def nbytes(self) -> int:
+        """Bytes a one-row pass reads (the lane layout serves longer passes instead of ``qs``)."""
         parts = [self.qs, self.scale, self.minimum, self.exception_weight]
         return sum(p.numel() * p.element_size() for p in parts if p is not None)
 
@@ -195,7 +215,9 @@ class BlockWeights:
         x = x.contiguous()
         if self.kind == "q4_1":
             assert self.minimum is not None
-            return torch.ops.agent_mtp_blockq.q4_1_linear(x, self.qs, self.scale, self.minimum, extra, residual)  # type: ignore[no-any-return]
+            return torch.ops.agent_mtp_blockq.q4_1_linear(  # type: ignore[no-any-return]
+                x, self.qs, self.scale, self.minimum, extra, residual, lanes=self.lanes
+            )
         return torch.ops.agent_mtp_blockq.q8_0_linear(x, self.qs, self.scale, extra, residual)  # type: ignore[no-any-return]
 
     def __call__(self, x: torch.Tensor, extra: torch.Tensor | None = None, norm: Norm | None = None) -> torch.Tensor:
@@ -206,7 +228,9 @@ class BlockWeights:
         weight, eps = norm if norm is not None else (None, 1e-5)
         if self.kind == "q4_1":
             assert self.minimum is not None
-            y = torch.ops.agent_mtp_blockq.q4_1_linear(x, self.qs, self.scale, self.minimum, extra, None, weight, eps)
+            y = torch.ops.agent_mtp_blockq.q4_1_linear(
+                x, self.qs, self.scale, self.minimum, extra, None, weight, eps, self.lanes
+            )
         else:
             y = torch.ops.agent_mtp_blockq.q8_0_linear(x, self.qs, self.scale, extra, None, weight, eps)
         padded = int(self.qs.shape[0])
@@ -237,7 +261,8 @@ def _recover_blocks(weight: torch.Tensor) -> BlockWeights | None:
     q4, scale, low, ok = _q4_1_blocks(blocks)
     if int((~ok).sum()) <= limit:
         packed = (q4[..., :16] | (q4[..., 16:] << 4)).contiguous()
-        return _with_exceptions("q4_1", weight, packed, scale, low, ok, out_features)
+        found = _with_exceptions("q4_1", weight, packed, scale, low, ok, out_features)
+        return dataclasses.replace(found, lanes=_lanes(q4))
     q8, scale8, ok8 = _q8_0_blocks(blocks)
     if int((~ok8).sum()) <= limit:
         return _with_exceptions("q8_0", weight, q8.view(torch.uint8), scale8, None, ok8, out_features)

@@ -429,7 +429,7 @@ class FastModel:
 
 
 def _fused_weights(layers: Sequence[_Layer]) -> list[torch.Tensor] | None:
-    """The 22 tensors per layer ``decode_layers`` reads (kernels/blockq.cpp), or None where a layer is not plain
+    """The 26 tensors per layer ``decode_layers`` reads (kernels/blockq.cpp), or None where a layer is not plain
     Q4_1 blocks (no bias, no q/k norm, nothing padded or computed apart): those passes run :meth:`FastModel._layer`."""
     fused: list[torch.Tensor] = []
     none = torch.empty(0)
@@ -447,6 +447,7 @@ def _fused_weights(layers: Sequence[_Layer]) -> list[torch.Tensor] | None:
             extra = proj.linear.extra_rows
             fused += [blocks.qs, blocks.scale, blocks.minimum, extra if extra is not None else none]
             fused.append(proj.b_t if proj.b_t is not None else none)
+            fused.append(blocks.lanes if blocks.lanes is not None else none)
     return fused
 
 

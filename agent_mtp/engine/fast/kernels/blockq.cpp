@@ -6,9 +6,13 @@
 // float32 with one fused multiply-add (q * d is exact, so it rounds once, as the dequantizer's q * d + m) and
 // multiplied in float32.
 //
-// Every output y[r, n] is one fixed sequence of float32 operations over k (8 lanes, fused multiply-add, lanes summed
-// in a fixed order), whatever the number of rows and however the work is split, so a row's result does not depend
-// on the other rows of its pass: batched and speculative passes give the same numbers as one-token passes.
+// Two kernels multiply Q4_1 blocks, each the faster one for its pass size: passes of up to kLaneRows - 1 rows take
+// "row" kernels (each output is 8 lanes over k, lanes summed at the end: the weights' bytes are unpacked 32 at a
+// time, which a one-token pass, bound by memory, needs), longer ones "lane" kernels (8 output features in the 8
+// lanes, one chain over k each: one rebuilt weight vector feeds every row of a tile, ~1.5x the multiply-adds per
+// second of the row kernels from 5 rows up). Within each class every output y[r, n] is one fixed sequence of float32
+// operations whatever the number of rows and however the work is split, so a row's result does not depend on the
+// other rows of its pass; between the classes the summation order differs (last bits).
 #include <ATen/Parallel.h>
 #include <ATen/ops/addmm.h>
 #include <ATen/ops/empty.h>
@@ -122,6 +126,64 @@ inline void q8_0_kernel(const float* x, int64_t k, const uint8_t* qs, const floa
     for (int c = 0; c < C; ++c) y[r * ldy + c] = add ? y[r * ldy + c] + lane_sum(acc[r][c]) : lane_sum(acc[r][c]);
 }
 
+// ---- lane kernels (passes of kLaneRows rows or more) -------------------------------------------------------------
+// The nibbles of a group are also kept feature-interleaved ("lanes"): for group g, block b and position i in the
+// block, one 32-bit word holds the 8 features' nibbles (feature f in bits 4f..4f+3), [groups][blocks][32] words.
+// Broadcast, shifted per lane and masked, a word becomes the 8 features' weights at one input position, rebuilt with
+// the same fused multiply-add as the row kernels; every row of the tile multiplies it into its accumulator (lane f =
+// feature f), so y[r, f] is one chain over k in order.
+constexpr int64_t kLaneRows = 5;
+constexpr int kLaneTile = 8;  // rows per tile: 8 accumulators hide the multiply-add latency; more would spill
+
+template <int R>
+inline void q4_1_lanes_kernel(const float* x, int64_t k, const uint32_t* words, const float* d, const float* m,
+                              float* y, int64_t ldy, bool add) {
+  const int64_t blocks = k / kBlock;
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+  const __m256i low_mask = _mm256_set1_epi32(0x0F);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint32_t* wb = words + b * kBlock;
+    const __m256 vd = _mm256_loadu_ps(d + b * kGroup), vm = _mm256_loadu_ps(m + b * kGroup);
+    const float* xb = x + b * kBlock;
+#pragma GCC unroll 4
+    for (int i = 0; i < kBlock; ++i) {
+      const __m256i q = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(wb[i])), shifts), low_mask);
+      const __m256 w = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), vd, vm);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(xb + r * k + i), w, acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float* yr = y + r * ldy;
+    _mm256_storeu_ps(yr, add ? _mm256_add_ps(_mm256_loadu_ps(yr), acc[r]) : acc[r]);
+  }
+}
+
+// Rows [0, rows) of one group, in tiles of at most kLaneTile rows spread evenly (rows >= kLaneRows: tiles of 4-8).
+void q4_1_lanes_group(const float* x, int64_t rows, int64_t k, const uint32_t* words, const float* d, const float* m,
+                      float* y, int64_t ldy, bool add) {
+  const int64_t tiles = (rows + kLaneTile - 1) / kLaneTile;
+  int64_t r = 0;
+  for (int64_t t = 0; t < tiles; ++t) {
+    const int64_t size = rows / tiles + (t < rows % tiles ? 1 : 0);
+    const float* xr = x + r * k;
+    float* yr = y + r * ldy;
+    switch (size) {
+      case 8: q4_1_lanes_kernel<8>(xr, k, words, d, m, yr, ldy, add); break;
+      case 7: q4_1_lanes_kernel<7>(xr, k, words, d, m, yr, ldy, add); break;
+      case 6: q4_1_lanes_kernel<6>(xr, k, words, d, m, yr, ldy, add); break;
+      case 5: q4_1_lanes_kernel<5>(xr, k, words, d, m, yr, ldy, add); break;
+      case 4: q4_1_lanes_kernel<4>(xr, k, words, d, m, yr, ldy, add); break;
+      case 3: q4_1_lanes_kernel<3>(xr, k, words, d, m, yr, ldy, add); break;
+      case 2: q4_1_lanes_kernel<2>(xr, k, words, d, m, yr, ldy, add); break;
+      default: q4_1_lanes_kernel<1>(xr, k, words, d, m, yr, ldy, add); break;
+    }
+    r += size;
+  }
+}
+
 // y[r, e] = dot(x[r], dense[e]) for float32 rows e in [e0, e1) (a few, e.g. an adapter's low-rank factor).
 void dense_rows(const float* x, int64_t rows, int64_t k, const float* dense, int64_t e0, int64_t e1, float* y,
                 int64_t ldy) {
@@ -165,11 +227,12 @@ at::Tensor rms_normed(const at::Tensor& x, const at::Tensor& weight, double eps)
 }
 
 // y = x [W; dense]^T: the block-quantized W (groups of 8 features), then the optional float32 rows ``dense``.
+// ``lanes``: the Q4_1 nibbles in the lane kernels' layout (or none: row kernels for every pass size).
 template <template <int, int> class K>
 at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale,
                           const float* minimum, int64_t bytes_per_block, const std::optional<at::Tensor>& dense,
                           const std::optional<at::Tensor>& residual, const std::optional<at::Tensor>& norm,
-                          double eps) {
+                          double eps, const std::optional<at::Tensor>& lanes = std::nullopt) {
   const int64_t rows = x.size(0), k = x.size(1), blocks = k / kBlock;
   // With a norm weight, the rows multiplied are rms_norm(x) * norm (one call instead of a norm op and a product).
   const at::Tensor input = norm.has_value() ? rms_normed(x, *norm, eps) : x;
@@ -197,6 +260,12 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& qs, const at::T
   const float* dp = extra > 0 ? dense->data_ptr<float>() : nullptr;
   const int64_t groups = out_features / kGroup;
   const int64_t tasks = groups + (extra + kGroup - 1) / kGroup;
+  const bool by_lanes = lanes.has_value() && rows >= kLaneRows;
+  if (lanes.has_value())
+    TORCH_CHECK(minimum != nullptr && lanes->scalar_type() == at::kByte && lanes->is_contiguous() &&
+                    lanes->numel() == groups * blocks * kBlock * 4,
+                "lanes must be a contiguous uint8 [out / 8, in / 32 * 128] tensor of Q4_1 nibbles");
+  const uint32_t* lw = by_lanes ? reinterpret_cast<const uint32_t*>(lanes->data_ptr<uint8_t>()) : nullptr;
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) {
       if (g >= groups) {
@@ -208,6 +277,10 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& qs, const at::T
       const float* dg = d + g * blocks * kGroup;
       const float* mg = minimum != nullptr ? minimum + g * blocks * kGroup : nullptr;
       float* og = op + g * kGroup;
+      if (by_lanes) {
+        q4_1_lanes_group(xp, rows, k, lw + g * blocks * kBlock, dg, mg, og, ldo, add);
+        continue;
+      }
       int64_t r = 0;
       for (; r + 4 <= rows; r += 4)
         for (int c = 0; c < kGroup; c += 2) K<4, 2>::run(xp + r * k, k, qg, dg, mg, c, og + r * ldo + c, ldo, add);
@@ -246,12 +319,12 @@ struct Q80 {
 
 at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale, const at::Tensor& minimum,
                        const std::optional<at::Tensor>& extra, const std::optional<at::Tensor>& residual,
-                       const std::optional<at::Tensor>& norm, double eps) {
+                       const std::optional<at::Tensor>& norm, double eps, const std::optional<at::Tensor>& lanes) {
   check_inputs(x, qs, scale, 16);
   TORCH_CHECK(minimum.scalar_type() == at::kFloat && minimum.is_contiguous() && minimum.numel() == scale.numel(),
               "minimum must be a contiguous float32 tensor shaped like scale");
   TORCH_CHECK(qs.size(0) % kGroup == 0, "out_features must be a multiple of 8, got ", qs.size(0));
-  return grouped_linear<Q41>(x, qs, scale, minimum.data_ptr<float>(), 16, extra, residual, norm, eps);
+  return grouped_linear<Q41>(x, qs, scale, minimum.data_ptr<float>(), 16, extra, residual, norm, eps, lanes);
 }
 
 at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale,
@@ -471,9 +544,9 @@ at::Tensor attend(const at::Tensor& qkv, const at::Tensor& rope, at::TensorList 
 
 // Every decoder layer of a Llama-family model for a short block pass (one sequence or a batch), in one call: the same
 // kernels and ATen ops in the same order as the Python layer loop (engine/fast/model.py: FastModel._layer), so the
-// numbers are identical; what goes is ~15 Python-level calls per layer. ``weights`` holds 22 tensors
-// per layer (see engine/fast/model.py: _fused_weights); an absent adapter factor is an empty tensor.
-constexpr int64_t kPerLayer = 22;
+// numbers are identical; what goes is ~15 Python-level calls per layer. ``weights`` holds 26 tensors
+// per layer (see engine/fast/model.py: _fused_weights); an absent adapter factor or lane layout is an empty tensor.
+constexpr int64_t kPerLayer = 26;
 
 std::optional<at::Tensor> present(const at::Tensor& t) {
   return t.numel() > 0 ? std::optional<at::Tensor>(t) : std::nullopt;
@@ -506,7 +579,7 @@ void decode_layers(at::Tensor x, at::TensorList weights, at::TensorList caches, 
   const int64_t layers = static_cast<int64_t>(weights.size()) / kPerLayer;
   const int64_t sequences = static_cast<int64_t>(starts.size());
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == kPerLayer * layers && layers > 0,
-              "decode_layers needs 22 weight tensors per layer");
+              "decode_layers needs 26 weight tensors per layer");
   TORCH_CHECK(static_cast<int64_t>(caches.size()) == layers * sequences && sequences > 0,
               "decode_layers needs one cache per layer and sequence");
   TORCH_CHECK(mask_runs.size() % 2 == 0, "mask_runs must be [start, stop) pairs");
@@ -516,23 +589,24 @@ void decode_layers(at::Tensor x, at::TensorList weights, at::TensorList caches, 
   TORCH_CHECK(rope.scalar_type() == at::kComplexFloat, "rope must be complex64 (cos + i sin per pair)");
   const at::Tensor pairs = at::view_as_real(rope);
   for (int64_t layer = 0; layer < layers; ++layer) {
+    // per projection: qs, scale, minimum, extra rows (adapter A), adapter B^T, lanes; norms at 0 and 13
     const at::Tensor* w = weights.data() + layer * kPerLayer;
     const at::Tensor y = grouped_linear<Q41>(x, w[1], w[2], w[3].data_ptr<float>(), 16, present(w[4]), std::nullopt,
-                                             w[0], eps);
+                                             w[0], eps, present(w[6]));
     const at::Tensor qkv = with_delta(y, qkv_out, w[5], mask_runs);
     const at::Tensor attended = attend_pairs(qkv, pairs, caches.slice(layer * sequences, sequences), starts, rows,
                                              num_heads, kv_heads, head_dim, scale);
-    const at::Tensor low_o = grouped_linear<Q41>(attended.contiguous(), w[6], w[7], w[8].data_ptr<float>(), 16,
-                                                 present(w[9]), x, std::nullopt, eps);
-    add_delta(x, low_o, w[10], mask_runs);
-    const at::Tensor gu_all = grouped_linear<Q41>(x, w[12], w[13], w[14].data_ptr<float>(), 16, present(w[15]),
-                                                  std::nullopt, w[11], eps);
-    const at::Tensor gate_up = with_delta(gu_all, 2 * inter, w[16], mask_runs);
+    const at::Tensor low_o = grouped_linear<Q41>(attended.contiguous(), w[7], w[8], w[9].data_ptr<float>(), 16,
+                                                 present(w[10]), x, std::nullopt, eps, present(w[12]));
+    add_delta(x, low_o, w[11], mask_runs);
+    const at::Tensor gu_all = grouped_linear<Q41>(x, w[14], w[15], w[16].data_ptr<float>(), 16, present(w[17]),
+                                                  std::nullopt, w[13], eps, present(w[19]));
+    const at::Tensor gate_up = with_delta(gu_all, 2 * inter, w[18], mask_runs);
     at::Tensor act = at::silu(gate_up.slice(1, 0, inter));
     act.mul_(gate_up.slice(1, inter, 2 * inter));
-    const at::Tensor low_d = grouped_linear<Q41>(act, w[17], w[18], w[19].data_ptr<float>(), 16, present(w[20]), x,
-                                                 std::nullopt, eps);
-    add_delta(x, low_d, w[21], mask_runs);
+    const at::Tensor low_d = grouped_linear<Q41>(act, w[20], w[21], w[22].data_ptr<float>(), 16, present(w[23]), x,
+                                                 std::nullopt, eps, present(w[25]));
+    add_delta(x, low_d, w[24], mask_runs);
   }
 }
 
@@ -540,10 +614,11 @@ void decode_layers(at::Tensor x, at::TensorList weights, at::TensorList caches, 
 
 TORCH_LIBRARY(agent_mtp_blockq, m) {
   // extra: float32 rows multiplied after the block rows; residual: add the block rows' products into it (in place;
-  // the result then holds only the extra rows'); norm: multiply rms_norm(x, eps) * norm instead of x.
+  // the result then holds only the extra rows'); norm: multiply rms_norm(x, eps) * norm instead of x; lanes: the
+  // nibbles in the lane kernels' layout, which passes of kLaneRows rows or more then read.
   m.def(
       "q4_1_linear(Tensor x, Tensor qs, Tensor scale, Tensor minimum, Tensor? extra=None, Tensor(a!)? residual=None, "
-      "Tensor? norm=None, float eps=1e-5) -> Tensor");
+      "Tensor? norm=None, float eps=1e-5, Tensor? lanes=None) -> Tensor");
   m.def(
       "q8_0_linear(Tensor x, Tensor qs, Tensor scale, Tensor? extra=None, Tensor(a!)? residual=None, "
       "Tensor? norm=None, float eps=1e-5) -> Tensor");
