@@ -109,14 +109,15 @@ def test_q4_1_weights_are_recovered_and_multiplied_in_float32() -> None:
     torch.testing.assert_close(blocks(x), F.linear(x, weight), atol=2e-5, rtol=1e-5)
 
 
-def test_q8_0_weights_with_an_added_row_and_padding() -> None:
+@pytest.mark.parametrize("rows", [2, 7])  # row and lane kernels
+def test_q8_0_weights_with_an_added_row_and_padding(rows: int) -> None:
     weight = torch.cat([q8_0(torch.randn(45, 64)), torch.randn(1, 64)])  # 46 rows: padded to 48, one exception
     blocks = blockq.block_weights(weight)
     assert blocks is not None and blocks.kind == "q8_0"
     assert blocks.exception_rows is not None and blocks.exception_rows.tolist() == [45]
-    x = torch.randn(2, 64)
+    x = torch.randn(rows, 64)
     y = blocks(x)
-    assert y.shape == (2, 46)
+    assert y.shape == (rows, 46)
     torch.testing.assert_close(y, F.linear(x, weight), atol=2e-5, rtol=1e-5)
     extra = torch.randn(3, 64)  # float32 rows computed in the same call, after the block rows (padding dropped)
     torch.testing.assert_close(blocks(x, extra), F.linear(x, torch.cat([weight, extra])), atol=2e-5, rtol=1e-5)
@@ -169,12 +170,13 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it() -> None:
     torch.testing.assert_close(together[: lane - 1], short, atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 @pytest.mark.parametrize("rows", [5, 8, 9, 13, 17, 24])
-def test_lane_kernels_match_the_float32_gemm(rows: int) -> None:
+def test_lane_kernels_match_the_float32_gemm(rows: int, kind: str) -> None:
     """Passes of LANE_ROWS rows or more: plain, with extra rows, normed, and added into a residual."""
-    weight = q4_1(torch.randn(40, 96))
+    weight = (q4_1 if kind == "q4_1" else q8_0)(torch.randn(40, 96))
     blocks = blockq.block_weights(weight)
-    assert blocks is not None and blocks.lanes is not None and rows >= blockq.LANE_ROWS
+    assert blocks is not None and blocks.kind == kind and blocks.lanes is not None and rows >= blockq.LANE_ROWS
     x, extra, gain = torch.randn(rows, 96), torch.randn(3, 96), torch.randn(96)
     torch.testing.assert_close(blocks(x), F.linear(x, weight), atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(blocks(x, extra), F.linear(x, torch.cat([weight, extra])), atol=2e-5, rtol=1e-5)

@@ -161,7 +161,7 @@ def _q8_0_blocks(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torc
     return q.to(torch.int8), scale, ok
 
 
-def _lanes(q4: torch.Tensor) -> torch.Tensor:
+def _q4_1_lanes(q4: torch.Tensor) -> torch.Tensor:
     """Nibbles [rows, blocks, 32] (rows a multiple of 8) -> the lane kernels' layout [rows / 8, blocks * 128] uint8:
     per group, block and position one little-endian 32-bit word whose byte j holds features 2j (low nibble) and
     2j + 1 (high nibble)."""
@@ -169,6 +169,14 @@ def _lanes(q4: torch.Tensor) -> torch.Tensor:
     by_group = q4.reshape(rows // GROUP, GROUP // 2, 2, blocks, BLOCK)  # [groups, byte j, low/high, blocks, i]
     words = by_group[:, :, 0] | (by_group[:, :, 1] << 4)  # [groups, 4, blocks, 32]
     return words.permute(0, 2, 3, 1).contiguous().reshape(rows // GROUP, -1)
+
+
+def _q8_0_lanes(q8: torch.Tensor) -> torch.Tensor:
+    """Quants [rows, blocks, 32] int8 -> the lane kernels' layout [rows / 8, blocks * 256] uint8: per group, block and
+    position the 8 features' bytes."""
+    rows, blocks, _ = q8.shape
+    by_group = q8.view(torch.uint8).reshape(rows // GROUP, GROUP, blocks, BLOCK)
+    return by_group.permute(0, 2, 3, 1).contiguous().reshape(rows // GROUP, -1)
 
 
 def _grouped(t: torch.Tensor) -> torch.Tensor:
@@ -195,8 +203,9 @@ class BlockWeights:
     exception_rows: torch.Tensor | None
     exception_weight: torch.Tensor | None
     lanes: torch.Tensor | None = None
-    """Q4_1: the nibbles again, feature-interleaved for the lane kernels that passes of :data:`LANE_ROWS` rows or more
-    take (one 32-bit word per group, block and position: feature f in bits 4f..4f+3)."""
+    """The quants again, feature-interleaved for the lane kernels that passes of :data:`LANE_ROWS` rows or more take:
+    per group of 8 features, block and position, one 32-bit word (Q4_1: feature f in bits 4f..4f+3) or 8 bytes
+    (Q8_0)."""
 
     @property
     def nbytes(self) -> int:
@@ -218,7 +227,9 @@ class BlockWeights:
             return torch.ops.agent_mtp_blockq.q4_1_linear(  # type: ignore[no-any-return]
                 x, self.qs, self.scale, self.minimum, extra, residual, lanes=self.lanes
             )
-        return torch.ops.agent_mtp_blockq.q8_0_linear(x, self.qs, self.scale, extra, residual)  # type: ignore[no-any-return]
+        return torch.ops.agent_mtp_blockq.q8_0_linear(  # type: ignore[no-any-return]
+            x, self.qs, self.scale, extra, residual, lanes=self.lanes
+        )
 
     def __call__(self, x: torch.Tensor, extra: torch.Tensor | None = None, norm: Norm | None = None) -> torch.Tensor:
         """x [n, in] float32 -> [n, out + r] float32, where ``extra`` [r, in] are float32 rows computed in the same
@@ -232,7 +243,7 @@ class BlockWeights:
                 x, self.qs, self.scale, self.minimum, extra, None, weight, eps, self.lanes
             )
         else:
-            y = torch.ops.agent_mtp_blockq.q8_0_linear(x, self.qs, self.scale, extra, None, weight, eps)
+            y = torch.ops.agent_mtp_blockq.q8_0_linear(x, self.qs, self.scale, extra, None, weight, eps, self.lanes)
         padded = int(self.qs.shape[0])
         if padded != self.out_features:
             y = y[:, : self.out_features] if extra is None else torch.cat([y[:, : self.out_features], y[:, padded:]], 1)
@@ -262,10 +273,11 @@ def _recover_blocks(weight: torch.Tensor) -> BlockWeights | None:
     if int((~ok).sum()) <= limit:
         packed = (q4[..., :16] | (q4[..., 16:] << 4)).contiguous()
         found = _with_exceptions("q4_1", weight, packed, scale, low, ok, out_features)
-        return dataclasses.replace(found, lanes=_lanes(q4))
+        return dataclasses.replace(found, lanes=_q4_1_lanes(q4))
     q8, scale8, ok8 = _q8_0_blocks(blocks)
     if int((~ok8).sum()) <= limit:
-        return _with_exceptions("q8_0", weight, q8.view(torch.uint8), scale8, None, ok8, out_features)
+        found = _with_exceptions("q8_0", weight, q8.view(torch.uint8), scale8, None, ok8, out_features)
+        return dataclasses.replace(found, lanes=_q8_0_lanes(q8))
     return None
 
 

@@ -6,7 +6,7 @@
 // float32 with one fused multiply-add (q * d is exact, so it rounds once, as the dequantizer's q * d + m) and
 // multiplied in float32.
 //
-// Two kernels multiply Q4_1 blocks, each the faster one for its pass size: passes of up to kLaneRows - 1 rows take
+// Two kernels multiply the blocks, each the faster one for its pass size: passes of up to kLaneRows - 1 rows take
 // "row" kernels (each output is 8 lanes over k, lanes summed at the end: the weights' bytes are unpacked 32 at a
 // time, which a one-token pass, bound by memory, needs), longer ones "lane" kernels (8 output features in the 8
 // lanes, one chain over k each: one rebuilt weight vector feeds every row of a tile, ~1.5x the multiply-adds per
@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <optional>
 #include <vector>
 
@@ -127,30 +128,47 @@ inline void q8_0_kernel(const float* x, int64_t k, const uint8_t* qs, const floa
 }
 
 // ---- lane kernels (passes of kLaneRows rows or more) -------------------------------------------------------------
-// The nibbles of a group are also kept feature-interleaved ("lanes"): for group g, block b and position i in the
-// block, one 32-bit word holds the 8 features' nibbles (feature f in bits 4f..4f+3), [groups][blocks][32] words.
-// Broadcast, shifted per lane and masked, a word becomes the 8 features' weights at one input position, rebuilt with
-// the same fused multiply-add as the row kernels; every row of the tile multiplies it into its accumulator (lane f =
-// feature f), so y[r, f] is one chain over k in order.
+// The quants of a group are also kept feature-interleaved ("lanes"): for group g, block b and position i in the block,
+// the 8 features' quants lie together, [groups][blocks][32][bytes per position]. They become the 8 features' weights
+// at one input position (rebuilt with the same operations as the row kernels), which every row of the tile multiplies
+// into its accumulator (lane f = feature f), so y[r, f] is one chain over k in order.
 constexpr int64_t kLaneRows = 5;
 constexpr int kLaneTile = 8;  // rows per tile: 8 accumulators hide the multiply-add latency; more would spill
 
-template <int R>
-inline void q4_1_lanes_kernel(const float* x, int64_t k, const uint32_t* words, const float* d, const float* m,
-                              float* y, int64_t ldy, bool add) {
+// Q4_1: one 32-bit word per position, feature f in bits 4f..4f+3; w = q * d + m in one fused multiply-add.
+struct Q41Lanes {
+  static constexpr int64_t kBytes = 4;
+  static inline __m256 weights(const uint8_t* at, __m256 vd, __m256 vm) {
+    static const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+    int32_t word;
+    std::memcpy(&word, at, sizeof word);
+    const __m256i q = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(word), shifts), _mm256_set1_epi32(0x0F));
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), vd, vm);
+  }
+};
+// Q8_0: 8 signed bytes per position; w = q * d (exact), as the row kernel.
+struct Q80Lanes {
+  static constexpr int64_t kBytes = 8;
+  static inline __m256 weights(const uint8_t* at, __m256 vd, __m256 /*vm*/) {
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(at));
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), vd);
+  }
+};
+
+template <class L, int R>
+inline void lanes_kernel(const float* x, int64_t k, const uint8_t* lanes, const float* d, const float* m, float* y,
+                         int64_t ldy, bool add) {
   const int64_t blocks = k / kBlock;
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
-  const __m256i low_mask = _mm256_set1_epi32(0x0F);
   for (int64_t b = 0; b < blocks; ++b) {
-    const uint32_t* wb = words + b * kBlock;
-    const __m256 vd = _mm256_loadu_ps(d + b * kGroup), vm = _mm256_loadu_ps(m + b * kGroup);
+    const uint8_t* lb = lanes + b * kBlock * L::kBytes;
+    const __m256 vd = _mm256_loadu_ps(d + b * kGroup);
+    const __m256 vm = m != nullptr ? _mm256_loadu_ps(m + b * kGroup) : _mm256_setzero_ps();
     const float* xb = x + b * kBlock;
 #pragma GCC unroll 4
     for (int i = 0; i < kBlock; ++i) {
-      const __m256i q = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(wb[i])), shifts), low_mask);
-      const __m256 w = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), vd, vm);
+      const __m256 w = L::weights(lb + i * L::kBytes, vd, vm);
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(xb + r * k + i), w, acc[r]);
     }
@@ -162,8 +180,9 @@ inline void q4_1_lanes_kernel(const float* x, int64_t k, const uint32_t* words, 
 }
 
 // Rows [0, rows) of one group, in tiles of at most kLaneTile rows spread evenly (rows >= kLaneRows: tiles of 4-8).
-void q4_1_lanes_group(const float* x, int64_t rows, int64_t k, const uint32_t* words, const float* d, const float* m,
-                      float* y, int64_t ldy, bool add) {
+template <class L>
+void lanes_group(const float* x, int64_t rows, int64_t k, const uint8_t* lanes, const float* d, const float* m,
+                 float* y, int64_t ldy, bool add) {
   const int64_t tiles = (rows + kLaneTile - 1) / kLaneTile;
   int64_t r = 0;
   for (int64_t t = 0; t < tiles; ++t) {
@@ -171,14 +190,14 @@ void q4_1_lanes_group(const float* x, int64_t rows, int64_t k, const uint32_t* w
     const float* xr = x + r * k;
     float* yr = y + r * ldy;
     switch (size) {
-      case 8: q4_1_lanes_kernel<8>(xr, k, words, d, m, yr, ldy, add); break;
-      case 7: q4_1_lanes_kernel<7>(xr, k, words, d, m, yr, ldy, add); break;
-      case 6: q4_1_lanes_kernel<6>(xr, k, words, d, m, yr, ldy, add); break;
-      case 5: q4_1_lanes_kernel<5>(xr, k, words, d, m, yr, ldy, add); break;
-      case 4: q4_1_lanes_kernel<4>(xr, k, words, d, m, yr, ldy, add); break;
-      case 3: q4_1_lanes_kernel<3>(xr, k, words, d, m, yr, ldy, add); break;
-      case 2: q4_1_lanes_kernel<2>(xr, k, words, d, m, yr, ldy, add); break;
-      default: q4_1_lanes_kernel<1>(xr, k, words, d, m, yr, ldy, add); break;
+      case 8: lanes_kernel<L, 8>(xr, k, lanes, d, m, yr, ldy, add); break;
+      case 7: lanes_kernel<L, 7>(xr, k, lanes, d, m, yr, ldy, add); break;
+      case 6: lanes_kernel<L, 6>(xr, k, lanes, d, m, yr, ldy, add); break;
+      case 5: lanes_kernel<L, 5>(xr, k, lanes, d, m, yr, ldy, add); break;
+      case 4: lanes_kernel<L, 4>(xr, k, lanes, d, m, yr, ldy, add); break;
+      case 3: lanes_kernel<L, 3>(xr, k, lanes, d, m, yr, ldy, add); break;
+      case 2: lanes_kernel<L, 2>(xr, k, lanes, d, m, yr, ldy, add); break;
+      default: lanes_kernel<L, 1>(xr, k, lanes, d, m, yr, ldy, add); break;
     }
     r += size;
   }
@@ -227,8 +246,8 @@ at::Tensor rms_normed(const at::Tensor& x, const at::Tensor& weight, double eps)
 }
 
 // y = x [W; dense]^T: the block-quantized W (groups of 8 features), then the optional float32 rows ``dense``.
-// ``lanes``: the Q4_1 nibbles in the lane kernels' layout (or none: row kernels for every pass size).
-template <template <int, int> class K>
+// ``lanes``: the quants in the lane kernels' layout L (or none: row kernels for every pass size).
+template <template <int, int> class K, class L>
 at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale,
                           const float* minimum, int64_t bytes_per_block, const std::optional<at::Tensor>& dense,
                           const std::optional<at::Tensor>& residual, const std::optional<at::Tensor>& norm,
@@ -262,10 +281,10 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& qs, const at::T
   const int64_t tasks = groups + (extra + kGroup - 1) / kGroup;
   const bool by_lanes = lanes.has_value() && rows >= kLaneRows;
   if (lanes.has_value())
-    TORCH_CHECK(minimum != nullptr && lanes->scalar_type() == at::kByte && lanes->is_contiguous() &&
-                    lanes->numel() == groups * blocks * kBlock * 4,
-                "lanes must be a contiguous uint8 [out / 8, in / 32 * 128] tensor of Q4_1 nibbles");
-  const uint32_t* lw = by_lanes ? reinterpret_cast<const uint32_t*>(lanes->data_ptr<uint8_t>()) : nullptr;
+    TORCH_CHECK(lanes->scalar_type() == at::kByte && lanes->is_contiguous() &&
+                    lanes->numel() == groups * blocks * kBlock * L::kBytes,
+                "lanes must be a contiguous uint8 [out / 8, in / 32 * ", kBlock * L::kBytes, "] tensor");
+  const uint8_t* lw = by_lanes ? lanes->data_ptr<uint8_t>() : nullptr;
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) {
       if (g >= groups) {
@@ -278,7 +297,7 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& qs, const at::T
       const float* mg = minimum != nullptr ? minimum + g * blocks * kGroup : nullptr;
       float* og = op + g * kGroup;
       if (by_lanes) {
-        q4_1_lanes_group(xp, rows, k, lw + g * blocks * kBlock, dg, mg, og, ldo, add);
+        lanes_group<L>(xp, rows, k, lw + g * blocks * kBlock * L::kBytes, dg, mg, og, ldo, add);
         continue;
       }
       int64_t r = 0;
@@ -324,15 +343,15 @@ at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tens
   TORCH_CHECK(minimum.scalar_type() == at::kFloat && minimum.is_contiguous() && minimum.numel() == scale.numel(),
               "minimum must be a contiguous float32 tensor shaped like scale");
   TORCH_CHECK(qs.size(0) % kGroup == 0, "out_features must be a multiple of 8, got ", qs.size(0));
-  return grouped_linear<Q41>(x, qs, scale, minimum.data_ptr<float>(), 16, extra, residual, norm, eps, lanes);
+  return grouped_linear<Q41, Q41Lanes>(x, qs, scale, minimum.data_ptr<float>(), 16, extra, residual, norm, eps, lanes);
 }
 
 at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale,
                        const std::optional<at::Tensor>& extra, const std::optional<at::Tensor>& residual,
-                       const std::optional<at::Tensor>& norm, double eps) {
+                       const std::optional<at::Tensor>& norm, double eps, const std::optional<at::Tensor>& lanes) {
   check_inputs(x, qs, scale, 32);
   TORCH_CHECK(qs.size(0) % kGroup == 0, "out_features must be a multiple of 8, got ", qs.size(0));
-  return grouped_linear<Q80>(x, qs, scale, nullptr, 32, extra, residual, norm, eps);
+  return grouped_linear<Q80, Q80Lanes>(x, qs, scale, nullptr, 32, extra, residual, norm, eps, lanes);
 }
 
 
@@ -591,20 +610,20 @@ void decode_layers(at::Tensor x, at::TensorList weights, at::TensorList caches, 
   for (int64_t layer = 0; layer < layers; ++layer) {
     // per projection: qs, scale, minimum, extra rows (adapter A), adapter B^T, lanes; norms at 0 and 13
     const at::Tensor* w = weights.data() + layer * kPerLayer;
-    const at::Tensor y = grouped_linear<Q41>(x, w[1], w[2], w[3].data_ptr<float>(), 16, present(w[4]), std::nullopt,
+    const at::Tensor y = grouped_linear<Q41, Q41Lanes>(x, w[1], w[2], w[3].data_ptr<float>(), 16, present(w[4]), std::nullopt,
                                              w[0], eps, present(w[6]));
     const at::Tensor qkv = with_delta(y, qkv_out, w[5], mask_runs);
     const at::Tensor attended = attend_pairs(qkv, pairs, caches.slice(layer * sequences, sequences), starts, rows,
                                              num_heads, kv_heads, head_dim, scale);
-    const at::Tensor low_o = grouped_linear<Q41>(attended.contiguous(), w[7], w[8], w[9].data_ptr<float>(), 16,
+    const at::Tensor low_o = grouped_linear<Q41, Q41Lanes>(attended.contiguous(), w[7], w[8], w[9].data_ptr<float>(), 16,
                                                  present(w[10]), x, std::nullopt, eps, present(w[12]));
     add_delta(x, low_o, w[11], mask_runs);
-    const at::Tensor gu_all = grouped_linear<Q41>(x, w[14], w[15], w[16].data_ptr<float>(), 16, present(w[17]),
+    const at::Tensor gu_all = grouped_linear<Q41, Q41Lanes>(x, w[14], w[15], w[16].data_ptr<float>(), 16, present(w[17]),
                                                   std::nullopt, w[13], eps, present(w[19]));
     const at::Tensor gate_up = with_delta(gu_all, 2 * inter, w[18], mask_runs);
     at::Tensor act = at::silu(gate_up.slice(1, 0, inter));
     act.mul_(gate_up.slice(1, inter, 2 * inter));
-    const at::Tensor low_d = grouped_linear<Q41>(act, w[20], w[21], w[22].data_ptr<float>(), 16, present(w[23]), x,
+    const at::Tensor low_d = grouped_linear<Q41, Q41Lanes>(act, w[20], w[21], w[22].data_ptr<float>(), 16, present(w[23]), x,
                                                  std::nullopt, eps, present(w[25]));
     add_delta(x, low_d, w[24], mask_runs);
   }
@@ -615,13 +634,13 @@ void decode_layers(at::Tensor x, at::TensorList weights, at::TensorList caches, 
 TORCH_LIBRARY(agent_mtp_blockq, m) {
   // extra: float32 rows multiplied after the block rows; residual: add the block rows' products into it (in place;
   // the result then holds only the extra rows'); norm: multiply rms_norm(x, eps) * norm instead of x; lanes: the
-  // nibbles in the lane kernels' layout, which passes of kLaneRows rows or more then read.
+  // quants in the lane kernels' layout, which passes of kLaneRows rows or more then read.
   m.def(
       "q4_1_linear(Tensor x, Tensor qs, Tensor scale, Tensor minimum, Tensor? extra=None, Tensor(a!)? residual=None, "
       "Tensor? norm=None, float eps=1e-5, Tensor? lanes=None) -> Tensor");
   m.def(
       "q8_0_linear(Tensor x, Tensor qs, Tensor scale, Tensor? extra=None, Tensor(a!)? residual=None, "
-      "Tensor? norm=None, float eps=1e-5) -> Tensor");
+      "Tensor? norm=None, float eps=1e-5, Tensor? lanes=None) -> Tensor");
   // every decoder layer of a short block pass (one sequence or a batch), in place on x and the caches (see above)
   m.def(
       "decode_layers(Tensor(a!) x, Tensor[] weights, Tensor(b!)[] caches, Tensor rope, int[] starts, int[] rows, "
