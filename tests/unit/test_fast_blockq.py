@@ -351,6 +351,23 @@ def test_lane_kernel_passes_in_the_model(monkeypatch: pytest.MonkeyPatch, adapte
                 cache.truncate(cache.length - len(tokens) + 1)
 
 
+def test_low_rank_delta_at_the_mask_runs_matches_addmm() -> None:
+    """The adapter's delta in one C++ call (both layer paths use it): only the runs' rows change, by low @ b_t."""
+    y = torch.randn(9, 21 + 3)  # 21 outputs (a remainder past the 8-wide vectors), rank 3 in the same rows
+    b_t = torch.randn(3, 21)
+    expected = y[:, :21].clone()
+    runs = [slice(1, 3), slice(6, 9)]
+    for run in runs:
+        expected[run] += y[run, 21:] @ b_t
+    torch.ops.agent_mtp_blockq.low_rank_add(y[:, :21], y[:, 21:], b_t, [1, 3, 6, 9])
+    torch.testing.assert_close(y[:, :21], expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(y[[0, 3, 4, 5], :21], expected[[0, 3, 4, 5]])  # rows outside the runs untouched
+    with pytest.raises(RuntimeError, match="run out of range"):
+        torch.ops.agent_mtp_blockq.low_rank_add(y[:, :21], y[:, 21:], b_t, [8, 10])
+    with pytest.raises(RuntimeError, match="low must be"):
+        torch.ops.agent_mtp_blockq.low_rank_add(y[:, :21], y[:, 20:], b_t, [0, 1])
+
+
 def _reference_attention(
     qkv: torch.Tensor, rope: torch.Tensor, kv: torch.Tensor, start: int, heads: int, kv_heads: int, d: int
 ) -> torch.Tensor:

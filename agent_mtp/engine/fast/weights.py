@@ -241,8 +241,7 @@ class Projection:
         if self.b_t is None:
             return y
         out = self.out_features
-        for run in rows:  # one small GEMM per run, as the C++ layer pass does
-            y[run, :out].addmm_(y[run, out:], self.b_t)
+        _add_low_rank(y[:, :out], y[:, out:], self.b_t, rows)
         return y[:, :out]
 
     def add_into(self, residual: torch.Tensor, x: torch.Tensor, rows: MaskRuns) -> None:
@@ -251,8 +250,20 @@ class Projection:
         low = self.linear.add_into(residual, x)
         if self.b_t is None or low is None:
             return
-        for run in rows:
-            residual[run].addmm_(low[run], self.b_t)
+        _add_low_rank(residual, low, self.b_t, rows)
+
+
+def _add_low_rank(target: torch.Tensor, low: torch.Tensor, b_t: torch.Tensor, rows: MaskRuns) -> None:
+    """``target[run] += low[run] @ b_t`` for every run of mask rows: in one C++ call where the block kernels are
+    loaded (the one the fused layer pass makes, so both paths give the same numbers), else one addmm per run."""
+    if not rows:
+        return
+    if blockq.enabled() and blockq.kernels_available():
+        runs = [bound for run in rows for bound in (run.start, run.stop)]
+        torch.ops.agent_mtp_blockq.low_rank_add(target, low, b_t, runs)
+        return
+    for run in rows:
+        target[run].addmm_(low[run], b_t)
 
 
 def stack_low_rank(
