@@ -211,7 +211,7 @@ class Projection:
     """One fused, packed GEMM that may carry a gated adapter: ``y = x W^T + b``, plus ``(x A^T) B^T`` at mask rows.
 
     ``A`` rides in the same packed GEMM as extra output columns (``[W; A]``, ~1% more bytes), so the adapter costs
-    one small GEMM per projection, and only on passes that carry mask rows."""
+    one small product per projection (``low_rank_add``), and only on passes that carry mask rows."""
 
     def __init__(
         self,
