@@ -207,6 +207,11 @@ MaskRuns = Sequence[slice]
 """The rows of a pass that hold mask tokens, as runs of consecutive rows (each sequence's tail, in a batch)."""
 
 
+def flat_runs(rows: MaskRuns) -> list[int]:
+    """Mask runs as the flattened [start, stop) pairs the C++ kernels take."""
+    return [bound for run in rows for bound in (run.start, run.stop)]
+
+
 class Projection:
     """One fused, packed GEMM that may carry a gated adapter: ``y = x W^T + b``, plus ``(x A^T) B^T`` at mask rows.
 
@@ -259,8 +264,7 @@ def _add_low_rank(target: torch.Tensor, low: torch.Tensor, b_t: torch.Tensor, ro
     if not rows:
         return
     if blockq.enabled() and blockq.kernels_available():
-        runs = [bound for run in rows for bound in (run.start, run.stop)]
-        torch.ops.agent_mtp_blockq.low_rank_add(target, low, b_t, runs)
+        torch.ops.agent_mtp_blockq.low_rank_add(target, low, b_t, flat_runs(rows))
         return
     for run in rows:
         target[run].addmm_(low[run], b_t)
