@@ -3,6 +3,7 @@ float32 GEMM and independent of the rows beside them, and the fast runtime on bl
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
@@ -269,7 +270,8 @@ def test_bench_curves_time_the_fast_runtime_with_and_without_block_weights(engin
     from agent_mtp.bench.curves import SIZES, measure_curves
 
     report = measure_curves(engine, context=16, rounds=1)
-    assert set(report.ms) == {"hf", "fast", "fast-fp32"}
+    wide = {"fast-avx2"} if blockq.avx512_active() else set()  # the AVX2 forms beside, where AVX-512 serves
+    assert set(report.ms) == {"hf", "fast", "fast-fp32"} | wide
     assert all(sorted(curve) == sorted(SIZES) and min(curve.values()) > 0 for curve in report.ms.values())
 
 
@@ -349,6 +351,74 @@ def test_lane_kernel_passes_in_the_model(monkeypatch: pytest.MonkeyPatch, adapte
         for model in models:
             for cache, tokens in zip(caches[id(model)], step, strict=False):
                 cache.truncate(cache.length - len(tokens) + 1)
+
+
+def _wide_or_skip() -> None:
+    with blockq.avx512(True) as on:
+        if not on:
+            pytest.skip("this CPU has no AVX-512 F/BW/DQ/VL/VBMI: only the AVX2 kernels run here")
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_avx512_kernels_give_the_avx2_bits(kind: str) -> None:
+    """Both kernel classes in their AVX-512 forms compute every output with the AVX2 forms' operations in the same
+    order (two 8-lane halves per register): equal bit for bit at every pass size, plain, with extra rows, normed,
+    added into a residual, and for an odd number of 8-feature groups (the lane kernels' last group alone)."""
+    _wide_or_skip()
+    for out, k in ((40, 96), (48, 160)):
+        weight = (q4_1 if kind == "q4_1" else q8_0)(torch.randn(out, k))
+        blocks = blockq.block_weights(weight)
+        assert blocks is not None and blocks.kind == kind and blocks.lanes is not None
+        for rows in (1, 2, 3, 4, 5, 6, 8, 9, 13, 17, 24):
+            x, extra, gain, residual = torch.randn(rows, k), torch.randn(3, k), torch.randn(k), torch.randn(rows, out)
+            results = []
+            for wide in (False, True):
+                with blockq.avx512(wide) as on:
+                    assert on == wide
+                    into = residual.clone()
+                    low = blocks.add_into(into, x, extra)
+                    results.append((blocks(x), blocks(x, extra), blocks(x, norm=(gain, 1e-6)), into, low))
+            assert all(torch.equal(a, b) for a, b in zip(*results, strict=True)), (out, rows)
+            torch.testing.assert_close(results[1][0], F.linear(x, weight), atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("adapter", [False, True])
+def test_avx512_passes_give_the_avx2_logits(monkeypatch: pytest.MonkeyPatch, adapter: bool) -> None:
+    """Whole fused passes (row and lane kernels, masks and the adapter's delta) on either form: the same logits and
+    caches bit for bit, so a cost curve is all that differs between machines with and without AVX-512."""
+    _wide_or_skip()
+    monkeypatch.setenv(blockq.ROWS_ENV, "16")
+    engine = _engine("plain-llama", adapter=adapter)
+    model = FastModel.from_hf(engine.model, mask_token_id=engine.mask_token_id)
+    m = engine.mask_token_id
+    prompt = _random_ids(20, seed=11)
+    outs: dict[bool, list[torch.Tensor]] = {}
+    for wide in (False, True):
+        cache = model.new_cache()
+        with blockq.avx512(wide):
+            outs[wide] = [model.forward(prompt, cache, 2)]
+            for tokens in ([5], [7, m, m], [1, 2, 3, 4, 5, m, m], [9, 8, 7, 6, 5, 4, 3, 2, 1, m, m, m]):
+                outs[wide].append(model.forward(tokens, cache, len(tokens)))
+            outs[wide] += [layer[:, :, : cache.length].clone() for layer in cache.layers]
+    assert all(torch.equal(a, b) for a, b in zip(outs[False], outs[True], strict=True))
+
+
+def test_kernel_tag_names_the_avx512_forms() -> None:
+    with blockq.avx512(True) as on:
+        assert blockq.kernel_tag() == ("blockq3-avx512" if on else "blockq3")
+    with blockq.avx512(False):
+        assert blockq.kernel_tag() == "blockq3" and not blockq.avx512_active()
+
+
+def test_avx512_can_be_switched_off_by_environment() -> None:
+    import subprocess
+    import sys
+
+    code = "from agent_mtp.engine.fast import blockq; print(blockq.kernels_available(), blockq.avx512_active())"
+    env = {**os.environ, blockq.AVX512_ENV: "0"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["True", "False"]
 
 
 def test_low_rank_delta_at_the_mask_runs_matches_addmm() -> None:

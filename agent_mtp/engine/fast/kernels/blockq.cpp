@@ -21,10 +21,12 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -202,6 +204,245 @@ void lanes_group(const float* x, int64_t rows, int64_t k, const uint8_t* lanes, 
   }
 }
 
+// ---- AVX-512 (where the CPU has it) ------------------------------------------------------------------------------
+// The same two kernel classes, twice as wide, and bit for bit the same numbers: every 512-bit register holds two
+// 256-bit halves that each perform exactly the operations of an AVX2 register above, in the same order. Row kernels
+// put features c and c + 1 in the two halves (each half a feature's 8 lanes over k, summed by lane_sum as above); lane
+// kernels put two groups of 8 features side by side (one chain over k per lane, as above). What changes is how many
+// instructions rebuild the weights: a pass here is bound by that, not by the bytes read.
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512vbmi")
+namespace wide {
+
+// [a x 8 | b x 8]
+inline __m512 pair_broadcast(const float* a, const float* b) {
+  return _mm512_insertf32x8(_mm512_set1_ps(*a), _mm256_set1_ps(*b), 1);
+}
+
+inline void store_pair(float* y, __m512 acc, bool add) {
+  const float lo = lane_sum(_mm512_castps512_ps256(acc)), hi = lane_sum(_mm512_extractf32x8_ps(acc, 1));
+  y[0] = add ? y[0] + lo : lo;
+  y[1] = add ? y[1] + hi : hi;
+}
+
+// Byte indices that put weights 8j..8j+7 of features c and c + 1 into dword lanes 0-7 and 8-15 (zero-extended by
+// the byte permute's zero mask) from [c's low nibbles | c + 1's low | c's high | c + 1's high] (16 bytes each).
+inline __m512i nibble_index(int j) {
+  alignas(64) int8_t idx[64] = {};
+  for (int lane = 0; lane < 16; ++lane) idx[4 * lane] = static_cast<int8_t>((lane < 8 ? 0 : 16) + 8 * (j % 2) + 32 * (j / 2) + lane % 8);
+  return _mm512_load_si512(idx);
+}
+
+// [v[2p] x 8 | v[2p + 1] x 8] for the 8 floats v of a block's features.
+inline __m512 pair_of(__m512 v, int p) {
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(2 * p, 2 * p, 2 * p, 2 * p, 2 * p, 2 * p, 2 * p, 2 * p, 2 * p + 1,
+                                                 2 * p + 1, 2 * p + 1, 2 * p + 1, 2 * p + 1, 2 * p + 1, 2 * p + 1,
+                                                 2 * p + 1),
+                               v);
+}
+
+// Rows x[0..R) against features c0..c0 + 2P of one group (Q4_1), two features per register.
+template <int R, int P>
+inline void q4_1_rows(const float* x, int64_t k, const uint8_t* qs, const float* d, const float* m, int c0, float* y,
+                      int64_t ldy, bool add) {
+  const int64_t blocks = k / kBlock;
+  __m512 acc[R][P];
+  for (int r = 0; r < R; ++r)
+    for (int p = 0; p < P; ++p) acc[r][p] = _mm512_setzero_ps();
+  const __m512i low_mask = _mm512_set1_epi8(0x0F);
+  const __m512i idx0 = nibble_index(0), idx1 = nibble_index(1), idx2 = nibble_index(2), idx3 = nibble_index(3);
+  constexpr __mmask64 kDwords = 0x1111111111111111ULL;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* qb = qs + (b * kGroup + c0) * 16;
+    const __m512 d8 = _mm512_castps256_ps512(_mm256_loadu_ps(d + b * kGroup));
+    const __m512 m8 = _mm512_castps256_ps512(_mm256_loadu_ps(m + b * kGroup));
+    const float* xb = x + b * kBlock;
+    __m512 xs[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < 4; ++j) xs[r][j] = _mm512_broadcast_f32x8(_mm256_loadu_ps(xb + r * k + 8 * j));
+#pragma GCC unroll 4
+    for (int p = 0; p < P; ++p) {
+      // features c and c + 1's 32 bytes in both halves; the upper half shifted to the high nibbles
+      const __m512i raw = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + p * 32)));
+      const __m512i nibbles = _mm512_and_si512(_mm512_mask_srli_epi16(raw, 0xFFFF0000u, raw, 4), low_mask);
+      const __m512 vd = pair_of(d8, c0 / 2 + p), vm = pair_of(m8, c0 / 2 + p);
+      const __m512 w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_maskz_permutexvar_epi8(kDwords, idx0, nibbles)), vd, vm);
+      const __m512 w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_maskz_permutexvar_epi8(kDwords, idx1, nibbles)), vd, vm);
+      const __m512 w2 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_maskz_permutexvar_epi8(kDwords, idx2, nibbles)), vd, vm);
+      const __m512 w3 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_maskz_permutexvar_epi8(kDwords, idx3, nibbles)), vd, vm);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        acc[r][p] = _mm512_fmadd_ps(xs[r][0], w0, acc[r][p]);
+        acc[r][p] = _mm512_fmadd_ps(xs[r][1], w1, acc[r][p]);
+        acc[r][p] = _mm512_fmadd_ps(xs[r][2], w2, acc[r][p]);
+        acc[r][p] = _mm512_fmadd_ps(xs[r][3], w3, acc[r][p]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int p = 0; p < P; ++p) store_pair(y + r * ldy + 2 * p, acc[r][p], add);
+}
+
+// Byte indices that put bytes 8j..8j+7 of features c and c + 1 (32 bytes each, side by side) into the top byte of
+// dword lanes 0-7 and 8-15: each lane then holds q * 2^24, signed.
+inline __m512i top_byte_index(int j) {
+  alignas(64) int8_t idx[64] = {};
+  for (int lane = 0; lane < 16; ++lane) idx[4 * lane + 3] = static_cast<int8_t>((lane < 8 ? 0 : 32) + 8 * j + lane % 8);
+  return _mm512_load_si512(idx);
+}
+
+// Rows x[0..R) against features c0..c0 + 2P of one group (Q8_0), two features per register. A weight is
+// (q * 2^24) * (d * 2^-24): both factors exact, so the product rounds as q * d does (it is exact: 8-bit q, 11-bit d).
+template <int R, int P>
+inline void q8_0_rows(const float* x, int64_t k, const uint8_t* qs, const float* d, const float* /*m*/, int c0,
+                      float* y, int64_t ldy, bool add) {
+  const int64_t blocks = k / kBlock;
+  __m512 acc[R][P];
+  for (int r = 0; r < R; ++r)
+    for (int p = 0; p < P; ++p) acc[r][p] = _mm512_setzero_ps();
+  const __m512i idx[4] = {top_byte_index(0), top_byte_index(1), top_byte_index(2), top_byte_index(3)};
+  constexpr __mmask64 kTopBytes = 0x8888888888888888ULL;
+  const __m512 unscale = _mm512_set1_ps(1.0f / 16777216.0f);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* qb = qs + (b * kGroup + c0) * 32;
+    const __m512 d8 = _mm512_mul_ps(_mm512_castps256_ps512(_mm256_loadu_ps(d + b * kGroup)), unscale);
+    const float* xb = x + b * kBlock;
+    __m512 xs[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < 4; ++j) xs[r][j] = _mm512_broadcast_f32x8(_mm256_loadu_ps(xb + r * k + 8 * j));
+#pragma GCC unroll 4
+    for (int p = 0; p < P; ++p) {
+      const __m512i both = _mm512_loadu_si512(qb + p * 64);  // feature c's 32 bytes, then c + 1's
+      const __m512 vd = pair_of(d8, c0 / 2 + p);
+      __m512 w[4];
+      for (int j = 0; j < 4; ++j)
+        w[j] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_maskz_permutexvar_epi8(kTopBytes, idx[j], both)), vd);
+      for (int r = 0; r < R; ++r)
+        for (int j = 0; j < 4; ++j) acc[r][p] = _mm512_fmadd_ps(xs[r][j], w[j], acc[r][p]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int p = 0; p < P; ++p) store_pair(y + r * ldy + 2 * p, acc[r][p], add);
+}
+
+// One group's 8 features for ``rows`` rows, in the row tiles the AVX2 path uses (the numbers do not depend on them).
+template <bool Q4>
+void rows_group(const float* x, int64_t rows, int64_t k, const uint8_t* q, const float* d, const float* m, float* y,
+                int64_t ldy, bool add) {
+  int64_t r = 0;
+  for (; r + 4 <= rows; r += 4)
+    for (int c = 0; c < kGroup; c += 4) {
+      if constexpr (Q4)
+        q4_1_rows<4, 2>(x + r * k, k, q, d, m, c, y + r * ldy + c, ldy, add);
+      else
+        q8_0_rows<4, 2>(x + r * k, k, q, d, m, c, y + r * ldy + c, ldy, add);
+    }
+  const int64_t left = rows - r;
+  const float* xr = x + r * k;
+  float* yr = y + r * ldy;
+  if constexpr (Q4) {
+    if (left == 3) q4_1_rows<3, 4>(xr, k, q, d, m, 0, yr, ldy, add);
+    if (left == 2) q4_1_rows<2, 4>(xr, k, q, d, m, 0, yr, ldy, add);
+    if (left == 1) q4_1_rows<1, 4>(xr, k, q, d, m, 0, yr, ldy, add);
+  } else {
+    if (left == 3) q8_0_rows<3, 4>(xr, k, q, d, m, 0, yr, ldy, add);
+    if (left == 2) q8_0_rows<2, 4>(xr, k, q, d, m, 0, yr, ldy, add);
+    if (left == 1) q8_0_rows<1, 4>(xr, k, q, d, m, 0, yr, ldy, add);
+  }
+}
+
+// Lane weights of two groups at one input position: [group g's 8 features | group g + 1's].
+struct Q41Lanes {
+  static inline __m512 weights(const uint8_t* a, const uint8_t* b, __m512 vd, __m512 vm) {
+    const __m512i shifts = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
+    int32_t wa, wb;
+    std::memcpy(&wa, a, sizeof wa);
+    std::memcpy(&wb, b, sizeof wb);
+    const __m512i words = _mm512_inserti64x4(_mm512_set1_epi32(wa), _mm256_set1_epi32(wb), 1);
+    const __m512i q = _mm512_and_si512(_mm512_srlv_epi32(words, shifts), _mm512_set1_epi32(0x0F));
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), vd, vm);
+  }
+};
+struct Q80Lanes {
+  static inline __m512 weights(const uint8_t* a, const uint8_t* b, __m512 vd, __m512 /*vm*/) {
+    const __m128i both = _mm_castpd_si128(_mm_loadh_pd(
+        _mm_castsi128_pd(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(a))), reinterpret_cast<const double*>(b)));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(both)), vd);
+  }
+};
+
+inline __m512 pair_load(const float* a, const float* b) {
+  return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(a)), _mm256_loadu_ps(b), 1);
+}
+
+// Rows x[0..R) against two groups (lanes a and b, scales da / db, minimums ma / mb): y[r, 0..16).
+template <class W, int64_t Bytes, int R>
+inline void lanes_kernel(const float* x, int64_t k, const uint8_t* la, const uint8_t* lb, const float* da,
+                         const float* db, const float* ma, const float* mb, float* y, int64_t ldy, bool add) {
+  const int64_t blocks = k / kBlock;
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* pa = la + b * kBlock * Bytes;
+    const uint8_t* pb = lb + b * kBlock * Bytes;
+    const __m512 vd = pair_load(da + b * kGroup, db + b * kGroup);
+    const __m512 vm = ma != nullptr ? pair_load(ma + b * kGroup, mb + b * kGroup) : _mm512_setzero_ps();
+    const float* xb = x + b * kBlock;
+#pragma GCC unroll 4
+    for (int i = 0; i < kBlock; ++i) {
+      const __m512 w = W::weights(pa + i * Bytes, pb + i * Bytes, vd, vm);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(xb[r * k + i]), w, acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float* yr = y + r * ldy;
+    _mm512_storeu_ps(yr, add ? _mm512_add_ps(_mm512_loadu_ps(yr), acc[r]) : acc[r]);
+  }
+}
+
+// Rows [0, rows) of two adjacent groups, in the tiles lanes_group uses.
+template <class W, int64_t Bytes>
+void lanes_pair(const float* x, int64_t rows, int64_t k, const uint8_t* la, const uint8_t* lb, const float* da,
+                const float* db, const float* ma, const float* mb, float* y, int64_t ldy, bool add) {
+  const int64_t tiles = (rows + kLaneTile - 1) / kLaneTile;
+  int64_t r = 0;
+  for (int64_t t = 0; t < tiles; ++t) {
+    const int64_t size = rows / tiles + (t < rows % tiles ? 1 : 0);
+    const float* xr = x + r * k;
+    float* yr = y + r * ldy;
+    switch (size) {
+      case 8: lanes_kernel<W, Bytes, 8>(xr, k, la, lb, da, db, ma, mb, yr, ldy, add); break;
+      case 7: lanes_kernel<W, Bytes, 7>(xr, k, la, lb, da, db, ma, mb, yr, ldy, add); break;
+      case 6: lanes_kernel<W, Bytes, 6>(xr, k, la, lb, da, db, ma, mb, yr, ldy, add); break;
+      case 5: lanes_kernel<W, Bytes, 5>(xr, k, la, lb, da, db, ma, mb, yr, ldy, add); break;
+      case 4: lanes_kernel<W, Bytes, 4>(xr, k, la, lb, da, db, ma, mb, yr, ldy, add); break;
+      case 3: lanes_kernel<W, Bytes, 3>(xr, k, la, lb, da, db, ma, mb, yr, ldy, add); break;
+      case 2: lanes_kernel<W, Bytes, 2>(xr, k, la, lb, da, db, ma, mb, yr, ldy, add); break;
+      default: lanes_kernel<W, Bytes, 1>(xr, k, la, lb, da, db, ma, mb, yr, ldy, add); break;
+    }
+    r += size;
+  }
+}
+
+}  // namespace wide
+#pragma GCC pop_options
+
+bool cpu_has_avx512() {
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
+         __builtin_cpu_supports("avx512vbmi");
+}
+
+// Whether passes take the AVX-512 kernels: on where the CPU has them, switchable (tests compare both paths).
+std::atomic<bool> g_wide{cpu_has_avx512()};
+
+// request 1: use them where the CPU has them, 0: keep AVX2, -1: leave as is. Returns whether they are in use.
+bool use_avx512(int64_t request) {
+  if (request >= 0) g_wide = request > 0 && cpu_has_avx512();
+  return g_wide;
+}
+
 // y[r, e] = dot(x[r], dense[e]) for float32 rows e in [e0, e1) (a few, e.g. an adapter's low-rank factor).
 void dense_rows(const float* x, int64_t rows, int64_t k, const float* dense, int64_t e0, int64_t e1, float* y,
                 int64_t ldy) {
@@ -277,26 +518,44 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& qs, const at::T
   const float* d = scale.data_ptr<float>();
   const float* dp = extra > 0 ? dense->data_ptr<float>() : nullptr;
   const int64_t groups = out_features / kGroup;
-  const int64_t tasks = groups + (extra + kGroup - 1) / kGroup;
   const bool by_lanes = lanes.has_value() && rows >= kLaneRows;
   if (lanes.has_value())
     TORCH_CHECK(lanes->scalar_type() == at::kByte && lanes->is_contiguous() &&
                     lanes->numel() == groups * blocks * kBlock * L::kBytes,
                 "lanes must be a contiguous uint8 [out / 8, in / 32 * ", kBlock * L::kBytes, "] tensor");
   const uint8_t* lw = by_lanes ? lanes->data_ptr<uint8_t>() : nullptr;
+  constexpr bool q4 = L::kBytes == 4;
+  using WideLanes = std::conditional_t<q4, wide::Q41Lanes, wide::Q80Lanes>;
+  const bool wide_path = g_wide.load(std::memory_order_relaxed);
+  // The wide lane kernels take two groups per task (a last odd group takes the AVX2 one: the same numbers).
+  const int64_t per_task = wide_path && by_lanes ? 2 : 1;
+  const int64_t block_tasks = (groups + per_task - 1) / per_task;
+  const int64_t tasks = block_tasks + (extra + kGroup - 1) / kGroup;
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) {
-      if (g >= groups) {
-        const int64_t e0 = (g - groups) * kGroup;
+    for (int64_t task = begin; task < end; ++task) {
+      if (task >= block_tasks) {
+        const int64_t e0 = (task - block_tasks) * kGroup;
         dense_rows(xp, rows, k, dp, e0, std::min(e0 + kGroup, extra), yp + extra_at, width);
         continue;
       }
+      const int64_t g = task * per_task;
       const uint8_t* qg = q + g * blocks * kGroup * bytes_per_block;
       const float* dg = d + g * blocks * kGroup;
       const float* mg = minimum != nullptr ? minimum + g * blocks * kGroup : nullptr;
       float* og = op + g * kGroup;
+      const int64_t lane_stride = blocks * kBlock * L::kBytes, scale_stride = blocks * kGroup;
+      if (by_lanes && per_task == 2 && g + 1 < groups) {
+        wide::lanes_pair<WideLanes, L::kBytes>(xp, rows, k, lw + g * lane_stride, lw + (g + 1) * lane_stride, dg,
+                                               dg + scale_stride, mg, mg != nullptr ? mg + scale_stride : nullptr,
+                                               og, ldo, add);
+        continue;
+      }
       if (by_lanes) {
-        lanes_group<L>(xp, rows, k, lw + g * blocks * kBlock * L::kBytes, dg, mg, og, ldo, add);
+        lanes_group<L>(xp, rows, k, lw + g * lane_stride, dg, mg, og, ldo, add);
+        continue;
+      }
+      if (wide_path) {
+        wide::rows_group<q4>(xp, rows, k, qg, dg, mg, og, ldo, add);
         continue;
       }
       int64_t r = 0;
@@ -675,6 +934,8 @@ TORCH_LIBRARY(agent_mtp_blockq, m) {
       "q8_0_linear(Tensor x, Tensor qs, Tensor scale, Tensor? extra=None, Tensor(a!)? residual=None, "
       "Tensor? norm=None, float eps=1e-5, Tensor? lanes=None) -> Tensor");
   // target[r] += low[r] b_t at the rows of runs (flattened [start, stop) pairs): an adapter's delta at the mask rows
+  // whether passes take the AVX-512 kernels (the same numbers as the AVX2 ones); false where the CPU lacks them
+  m.def("use_avx512(int request=-1) -> bool", &use_avx512);
   m.def("low_rank_add(Tensor(a!) target, Tensor low, Tensor b_t, int[] runs) -> ()");
   // every decoder layer of a short block pass (one sequence or a batch), in place on x and the caches (see above)
   m.def(
