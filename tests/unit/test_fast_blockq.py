@@ -464,7 +464,7 @@ def _rope(n: int, d: int, seed: int) -> torch.Tensor:
 def test_attention_kernel_matches_torch_for_every_sequence_of_a_pass(heads: int, kv_heads: int, d: int) -> None:
     """One call per layer for a whole batch: sequences with different cache lengths and row counts (one long enough
     to run on several threads), each row attending causally to its own cache."""
-    starts, rows = [0, 5, 37, 700], [3, 1, 4, 2]
+    starts, rows = [0, 5, 37, 700], [3, 1, 6, 2]  # 6 rows: two tasks of one head; 700: many key chunks
     width = (heads + 2 * kv_heads) * d
     qkv = torch.randn(sum(rows), width + 8)[:, :width]  # a row stride wider than the row, as with adapter columns
     rope = _rope(sum(rows), d, seed=1)
@@ -481,17 +481,19 @@ def test_attention_kernel_matches_torch_for_every_sequence_of_a_pass(heads: int,
         torch.testing.assert_close(got[:, :, : start + n], want[:, :, : start + n], atol=1e-6, rtol=1e-6)
 
 
-def test_attention_of_a_row_does_not_depend_on_the_rows_beside_it() -> None:
-    """A position attended in a 4-row pass, alone, or batched beside another sequence gives the same bits (so
-    ``verified`` equals ``ntp`` and batching changes nothing)."""
-    heads, kv_heads, d, start = 6, 2, 32, 41
+@pytest.mark.parametrize(("start", "n"), [(41, 4), (130, 11)])
+def test_attention_of_a_row_does_not_depend_on_the_rows_beside_it(start: int, n: int) -> None:
+    """A position attended in an n-row pass, alone, or batched beside another sequence gives the same bits (so
+    ``verified`` equals ``ntp`` and batching changes nothing), also where the kernel shares key chunks of 64 between
+    the rows of a task (several chunks, several tasks of up to 4 rows)."""
+    heads, kv_heads, d = 6, 2, 32
     width = (heads + 2 * kv_heads) * d
-    qkv, rope = torch.randn(4, width), _rope(4, d, seed=2)
-    history = torch.randn(2, kv_heads, 64, d)
+    qkv, rope = torch.randn(n, width), _rope(n, d, seed=2)
+    history = torch.randn(2, kv_heads, start + n + 8, d)
     together = torch.ops.agent_mtp_blockq.attend(
-        qkv.clone(), rope, [history.clone()], [start], [4], heads, kv_heads, d, 0.25
+        qkv.clone(), rope, [history.clone()], [start], [n], heads, kv_heads, d, 0.25
     )
-    for i in range(4):
+    for i in range(n):
         cache = history.clone()
         if i:  # rows before i are already in the cache, as after an earlier pass
             torch.ops.agent_mtp_blockq.attend(

@@ -654,12 +654,25 @@ inline __m256 sum8(const __m256* a) {
   return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
 }
 
-// scores[j] = scale * (q . keys[j]) for j < count, eight keys at a time (independent accumulators); returns the max.
-float dot_scores(const float* q, const float* keys, int64_t count, int64_t d, float scale, float* scores) {
+// A row's running maximum of its scores: blocks of 8 keys in a vector, keys past the last whole block one by one.
+struct ScoreMax {
+  __m256 blocks = _mm256_set1_ps(-INFINITY);
+  float tail = -INFINITY;
+  float value() const {
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, blocks);
+    return std::max(*std::max_element(lanes, lanes + 8), tail);
+  }
+};
+
+// scores[j] = scale * (q . keys[j]) for j in [j0, j1) (j0 a multiple of 8): keys in blocks of eight (independent
+// accumulators) below ``whole`` (the row's key count rounded down to 8), the rest one at a time. A score's operations
+// do not depend on j0 / j1, only on the row's count.
+void dot_scores(const float* q, const float* keys, int64_t j0, int64_t j1, int64_t whole, int64_t d, float scale,
+                float* scores, ScoreMax& top) {
   const __m256 vscale = _mm256_set1_ps(scale);
-  __m256 top = _mm256_set1_ps(-INFINITY);
-  int64_t j = 0;
-  for (; j + 8 <= count; j += 8) {
+  int64_t j = j0;
+  for (; j + 8 <= std::min(j1, whole); j += 8) {
     const float* kj = keys + j * d;
     __m256 acc[8];
     for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
@@ -669,38 +682,48 @@ float dot_scores(const float* q, const float* keys, int64_t count, int64_t d, fl
     }
     const __m256 s = _mm256_mul_ps(sum8(acc), vscale);
     _mm256_storeu_ps(scores + j, s);
-    top = _mm256_max_ps(top, s);
+    top.blocks = _mm256_max_ps(top.blocks, s);
   }
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, top);
-  float best = *std::max_element(lanes, lanes + 8);
-  for (; j < count; ++j) {  // the last < 8 keys: the same sums, one key at a time
+  for (; j < j1; ++j) {  // the last < 8 keys: the same sums, one key at a time
     const float* kj = keys + j * d;
     __m256 acc = _mm256_setzero_ps();
     for (int64_t t = 0; t < d; t += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + t), _mm256_loadu_ps(kj + t), acc);
     scores[j] = pair_sum(acc) * scale;
-    best = std::max(best, scores[j]);
+    top.tail = std::max(top.tail, scores[j]);
   }
-  return best;
 }
 
-// out[0:8W] = inv * sum_j p[j] * values[j, 0:8W] (rows of ``values`` are ``d`` apart).
+// acc[0:8W] += sum_j p[j] * values[j, 0:8W] for j in [j0, j1) (rows of ``values`` are ``d`` apart), in order.
 template <int W>
-inline void weighted_values(const float* p, const float* values, int64_t count, int64_t d, __m256 inv, float* out) {
+inline void weighted_values(const float* p, const float* values, int64_t j0, int64_t j1, int64_t d, float* out) {
   __m256 acc[W];
-  for (int t = 0; t < W; ++t) acc[t] = _mm256_setzero_ps();
-  for (int64_t j = 0; j < count; ++j) {
+  for (int t = 0; t < W; ++t) acc[t] = _mm256_loadu_ps(out + 8 * t);
+  for (int64_t j = j0; j < j1; ++j) {
     const __m256 pj = _mm256_broadcast_ss(p + j);
     const float* vj = values + j * d;
     for (int t = 0; t < W; ++t) acc[t] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * t), acc[t]);
   }
-  for (int t = 0; t < W; ++t) _mm256_storeu_ps(out + 8 * t, _mm256_mul_ps(acc[t], inv));
+  for (int t = 0; t < W; ++t) _mm256_storeu_ps(out + 8 * t, acc[t]);
 }
 
-// out[0:d] = softmax(scale * q . keys[j], j < count) @ values (keys / values: ``count`` rows of d floats).
-void attend_row(const float* q, const float* keys, const float* values, int64_t count, int64_t d, float scale,
-                float* out, float* scores) {
-  const float top = dot_scores(q, keys, count, d, scale, scores);
+// Every 64-dimension slice of acc[0:d] += sum_j p[j] * values[j] over [j0, j1) (8 accumulators in registers).
+void weighted_range(const float* p, const float* values, int64_t j0, int64_t j1, int64_t d, float* acc) {
+  for (int64_t c = 0; c < d; c += 64) {
+    switch (std::min<int64_t>(64, d - c) / 8) {
+      case 8: weighted_values<8>(p, values + c, j0, j1, d, acc + c); break;
+      case 7: weighted_values<7>(p, values + c, j0, j1, d, acc + c); break;
+      case 6: weighted_values<6>(p, values + c, j0, j1, d, acc + c); break;
+      case 5: weighted_values<5>(p, values + c, j0, j1, d, acc + c); break;
+      case 4: weighted_values<4>(p, values + c, j0, j1, d, acc + c); break;
+      case 3: weighted_values<3>(p, values + c, j0, j1, d, acc + c); break;
+      case 2: weighted_values<2>(p, values + c, j0, j1, d, acc + c); break;
+      default: weighted_values<1>(p, values + c, j0, j1, d, acc + c); break;
+    }
+  }
+}
+
+// scores[0:count] = exp(scores - top) (in place); returns 1 / their sum.
+float exp_scores(float* scores, int64_t count, float top) {
   const __m256 vtop = _mm256_set1_ps(top);
   __m256 total = _mm256_setzero_ps();
   int64_t j = 0;
@@ -722,18 +745,44 @@ void attend_row(const float* q, const float* keys, const float* values, int64_t 
     }
     total = _mm256_add_ps(total, _mm256_load_ps(tail));
   }
-  const __m256 inv = _mm256_set1_ps(1.0f / lane_sum(total));
-  for (int64_t c = 0; c < d; c += 64) {  // up to 8 accumulators (64 dimensions) at a time, held in registers
-    switch (std::min<int64_t>(64, d - c) / 8) {
-      case 8: weighted_values<8>(scores, values + c, count, d, inv, out + c); break;
-      case 7: weighted_values<7>(scores, values + c, count, d, inv, out + c); break;
-      case 6: weighted_values<6>(scores, values + c, count, d, inv, out + c); break;
-      case 5: weighted_values<5>(scores, values + c, count, d, inv, out + c); break;
-      case 4: weighted_values<4>(scores, values + c, count, d, inv, out + c); break;
-      case 3: weighted_values<3>(scores, values + c, count, d, inv, out + c); break;
-      case 2: weighted_values<2>(scores, values + c, count, d, inv, out + c); break;
-      default: weighted_values<1>(scores, values + c, count, d, inv, out + c); break;
+  return 1.0f / lane_sum(total);
+}
+
+// Keys (and values) per chunk: 64 rows of a 64-dimension head are 16 KB each, so a chunk read for a pass's first row
+// is still in L1 for its other rows.
+constexpr int64_t kKeyChunk = 64;
+// Rows of one sequence and head per task: enough to share each chunk, few enough to split a pass over the threads.
+constexpr int64_t kRowsPerTask = 4;
+
+// Causal softmax attention of rows i < n of one head: query q + i * ldq attends keys / values [0, first + i] and
+// writes out + i * ldo. Key chunks outer, rows inner: each chunk is read from memory once for all n rows, while every
+// row's result is the same sequence of operations as if it ran alone. ``scratch``: n * (first + n + 8) + n * d floats.
+void attend_rows(const float* q, int64_t ldq, int64_t n, const float* keys, const float* values, int64_t first,
+                 int64_t d, float scale, float* out, int64_t ldo, float* scratch) {
+  const int64_t stride = first + n + 8;
+  float* acc = scratch + n * stride;
+  ScoreMax tops[kRowsPerTask];
+  for (int64_t j0 = 0; j0 < first + n; j0 += kKeyChunk)
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t count = first + i + 1;
+      if (j0 < count)
+        dot_scores(q + i * ldq, keys, j0, std::min(j0 + kKeyChunk, count), count / 8 * 8, d, scale,
+                   scratch + i * stride, tops[i]);
     }
+  float inv[kRowsPerTask];
+  for (int64_t i = 0; i < n; ++i) {
+    inv[i] = exp_scores(scratch + i * stride, first + i + 1, tops[i].value());
+    std::fill_n(acc + i * d, d, 0.0f);
+  }
+  for (int64_t j0 = 0; j0 < first + n; j0 += kKeyChunk)
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t count = first + i + 1;
+      if (j0 < count) weighted_range(scratch + i * stride, values, j0, std::min(j0 + kKeyChunk, count), d, acc + i * d);
+    }
+  for (int64_t i = 0; i < n; ++i) {
+    const __m256 vinv = _mm256_set1_ps(inv[i]);
+    for (int64_t c = 0; c < d; c += 8)
+      _mm256_storeu_ps(out + i * ldo + c, _mm256_mul_ps(_mm256_loadu_ps(acc + i * d + c), vinv));
   }
 }
 
@@ -794,21 +843,27 @@ at::Tensor attend_pairs(const at::Tensor& qkv, const at::Tensor& pairs, at::Tens
   }
   at::Tensor out = at::empty({n, q_dim}, qkv.options());
   float* op = out.data_ptr<float>();
+  // a task is (sequence, up to kRowsPerTask of its rows, head); chunks of a sequence's rows in order
+  std::vector<int64_t> chunk_segment, chunk_row;
+  for (int64_t s = 0; s < segments; ++s)
+    for (int64_t i = 0; i < rows[s]; i += kRowsPerTask) {
+      chunk_segment.push_back(s);
+      chunk_row.push_back(first_row[s] + i);
+    }
   const int64_t max_count = *std::max_element(starts.begin(), starts.end()) + n;
-  const int64_t tasks = n * num_heads;
-  // a task is one (row, head); under ~64k multiply-adds the whole call stays on this thread
+  const int64_t tasks = static_cast<int64_t>(chunk_row.size()) * num_heads;
+  // under ~64k multiply-adds the whole call stays on this thread
   const int64_t grain = work < (1 << 16) ? tasks : 1;
   at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(static_cast<size_t>(max_count + 8));
-    int64_t s = 0;
+    std::vector<float> scratch(static_cast<size_t>(kRowsPerTask * (max_count + 8 + d)));
     for (int64_t t = begin; t < end; ++t) {
-      const int64_t r = t / num_heads, head = t % num_heads;
-      while (r >= first_row[s + 1]) ++s;
-      const int64_t count = starts[s] + (r - first_row[s]) + 1;  // causal: itself and everything before it
+      const int64_t chunk = t / num_heads, head = t % num_heads, s = chunk_segment[chunk], r = chunk_row[chunk];
+      const int64_t count = std::min(kRowsPerTask, first_row[s + 1] - r);
       const float* kv = caches[s].data_ptr<float>();
       const int64_t capacity = caches[s].size(2), g = head / groups;
-      attend_row(base + r * ld + head * d, kv + g * capacity * d, kv + (kv_heads + g) * capacity * d, count, d,
-                 static_cast<float>(scale), op + r * q_dim + head * d, scores.data());
+      attend_rows(base + r * ld + head * d, ld, count, kv + g * capacity * d, kv + (kv_heads + g) * capacity * d,
+                  starts[s] + (r - first_row[s]), d, static_cast<float>(scale), op + r * q_dim + head * d, q_dim,
+                  scratch.data());
     }
   });
   return out;
