@@ -754,35 +754,137 @@ constexpr int64_t kKeyChunk = 64;
 // Rows of one sequence and head per task: enough to share each chunk, few enough to split a pass over the threads.
 constexpr int64_t kRowsPerTask = 4;
 
+// AVX-512 forms of the multi-row loops, bit for bit the AVX2 ones: two rows' scores in the two halves of a register
+// (the same multiply-adds and the same pairwise sums per half), and one load of a value row for up to 4 rows.
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512vbmi")
+namespace wide {
+
+// _mm256_hadd_ps on each 256-bit half: [x0 + x1, x2 + x3, y0 + y1, y2 + y3] per 128-bit lane.
+inline __m512 hadd(__m512 x, __m512 y) {
+  return _mm512_add_ps(_mm512_shuffle_ps(x, y, _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_ps(x, y, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// sum8 above, on each half.
+inline __m512 sum8(const __m512* a) {
+  const __m512 s0123 = hadd(hadd(a[0], a[1]), hadd(a[2], a[3]));
+  const __m512 s4567 = hadd(hadd(a[4], a[5]), hadd(a[6], a[7]));
+  const __m512i low = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
+  const __m512i high = _mm512_setr_epi32(4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+  return _mm512_add_ps(_mm512_permutex2var_ps(s0123, low, s4567), _mm512_permutex2var_ps(s0123, high, s4567));
+}
+
+// Scores of rows a and b for the key blocks [j0, j1) (multiples of 8): dot_scores' block operations, a low, b high.
+void dot_pair(const float* qa, const float* qb, const float* keys, int64_t j0, int64_t j1, int64_t d, float scale,
+              float* sa, float* sb, ScoreMax& ta, ScoreMax& tb) {
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t j = j0; j < j1; j += 8) {
+    const float* kj = keys + j * d;
+    __m512 acc[8];
+    for (int i = 0; i < 8; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < d; t += 8) {
+      const __m512 qt = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(qa + t)), _mm256_loadu_ps(qb + t), 1);
+      for (int i = 0; i < 8; ++i)
+        acc[i] = _mm512_fmadd_ps(qt, _mm512_broadcast_f32x8(_mm256_loadu_ps(kj + i * d + t)), acc[i]);
+    }
+    const __m512 sc = _mm512_mul_ps(sum8(acc), vscale);
+    const __m256 lo = _mm512_castps512_ps256(sc), hi = _mm512_extractf32x8_ps(sc, 1);
+    _mm256_storeu_ps(sa + j, lo);
+    _mm256_storeu_ps(sb + j, hi);
+    ta.blocks = _mm256_max_ps(ta.blocks, lo);
+    tb.blocks = _mm256_max_ps(tb.blocks, hi);
+  }
+}
+
+// acc[r][0:d] += sum_j p[r][j] * values[j] for j in [j0, j1) and R rows (d a multiple of 64): each value row read
+// once for all of them.
+template <int R>
+void weighted_rows(const float* const* p, const float* values, int64_t j0, int64_t j1, int64_t d, float* const* out) {
+  for (int64_t c = 0; c < d; c += 64) {
+    __m512 acc[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int t = 0; t < 4; ++t) acc[r][t] = _mm512_loadu_ps(out[r] + c + 16 * t);
+    for (int64_t j = j0; j < j1; ++j) {
+      const float* vj = values + j * d + c;
+      const __m512 v0 = _mm512_loadu_ps(vj), v1 = _mm512_loadu_ps(vj + 16), v2 = _mm512_loadu_ps(vj + 32),
+                   v3 = _mm512_loadu_ps(vj + 48);
+      for (int r = 0; r < R; ++r) {
+        const __m512 pj = _mm512_set1_ps(p[r][j]);
+        acc[r][0] = _mm512_fmadd_ps(pj, v0, acc[r][0]);
+        acc[r][1] = _mm512_fmadd_ps(pj, v1, acc[r][1]);
+        acc[r][2] = _mm512_fmadd_ps(pj, v2, acc[r][2]);
+        acc[r][3] = _mm512_fmadd_ps(pj, v3, acc[r][3]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int t = 0; t < 4; ++t) _mm512_storeu_ps(out[r] + c + 16 * t, acc[r][t]);
+  }
+}
+
+void weighted_common(int64_t n, const float* const* p, const float* values, int64_t j0, int64_t j1, int64_t d,
+                     float* const* out) {
+  switch (n) {
+    case 4: weighted_rows<4>(p, values, j0, j1, d, out); break;
+    case 3: weighted_rows<3>(p, values, j0, j1, d, out); break;
+    case 2: weighted_rows<2>(p, values, j0, j1, d, out); break;
+    default: weighted_rows<1>(p, values, j0, j1, d, out); break;
+  }
+}
+
+}  // namespace wide
+#pragma GCC pop_options
+
 // Causal softmax attention of rows i < n of one head: query q + i * ldq attends keys / values [0, first + i] and
 // writes out + i * ldo. Key chunks outer, rows inner: each chunk is read from memory once for all n rows, while every
-// row's result is the same sequence of operations as if it ran alone. ``scratch``: n * (first + n + 8) + n * d floats.
+// row's result is the same sequence of operations as if it ran alone (with AVX-512, rows share registers too).
+// ``scratch``: n * (first + n + 8) + n * d floats.
 void attend_rows(const float* q, int64_t ldq, int64_t n, const float* keys, const float* values, int64_t first,
                  int64_t d, float scale, float* out, int64_t ldo, float* scratch) {
   const int64_t stride = first + n + 8;
+  const bool wide_rows = n > 1 && g_wide.load(std::memory_order_relaxed);
   float* acc = scratch + n * stride;
   ScoreMax tops[kRowsPerTask];
-  for (int64_t j0 = 0; j0 < first + n; j0 += kKeyChunk)
-    for (int64_t i = 0; i < n; ++i) {
+  for (int64_t j0 = 0; j0 < first + n; j0 += kKeyChunk) {
+    int64_t i = 0;
+    for (; wide_rows && i + 1 < n; i += 2) {  // rows i and i + 1: whole blocks of both together, the rest alone
+      const int64_t count = first + i + 1, both = std::max(j0, std::min(j0 + kKeyChunk, count / 8 * 8));
+      float* sa = scratch + i * stride;
+      wide::dot_pair(q + i * ldq, q + (i + 1) * ldq, keys, j0, both, d, scale, sa, sa + stride, tops[i], tops[i + 1]);
+      for (int64_t r = i; r < i + 2; ++r) {
+        const int64_t end = std::min(j0 + kKeyChunk, first + r + 1);
+        if (both < end)
+          dot_scores(q + r * ldq, keys, both, end, (first + r + 1) / 8 * 8, d, scale, scratch + r * stride, tops[r]);
+      }
+    }
+    for (; i < n; ++i) {
       const int64_t count = first + i + 1;
       if (j0 < count)
         dot_scores(q + i * ldq, keys, j0, std::min(j0 + kKeyChunk, count), count / 8 * 8, d, scale,
                    scratch + i * stride, tops[i]);
     }
+  }
   float inv[kRowsPerTask];
+  const float* p[kRowsPerTask];
+  float* a[kRowsPerTask];
   for (int64_t i = 0; i < n; ++i) {
     inv[i] = exp_scores(scratch + i * stride, first + i + 1, tops[i].value());
-    std::fill_n(acc + i * d, d, 0.0f);
+    p[i] = scratch + i * stride;
+    a[i] = acc + i * d;
+    std::fill_n(a[i], d, 0.0f);
   }
-  for (int64_t j0 = 0; j0 < first + n; j0 += kKeyChunk)
+  for (int64_t j0 = 0; j0 < first + n; j0 += kKeyChunk) {
+    // keys every row attends (below first + 1) for all rows at once, then each row's own last keys
+    const int64_t common = wide_rows && d % 64 == 0 ? std::max(j0, std::min(j0 + kKeyChunk, first + 1)) : j0;
+    if (common > j0) wide::weighted_common(n, p, values, j0, common, d, a);
     for (int64_t i = 0; i < n; ++i) {
-      const int64_t count = first + i + 1;
-      if (j0 < count) weighted_range(scratch + i * stride, values, j0, std::min(j0 + kKeyChunk, count), d, acc + i * d);
+      const int64_t end = std::min(j0 + kKeyChunk, first + i + 1);
+      if (common < end) weighted_range(p[i], values, common, end, d, a[i]);
     }
+  }
   for (int64_t i = 0; i < n; ++i) {
     const __m256 vinv = _mm256_set1_ps(inv[i]);
     for (int64_t c = 0; c < d; c += 8)
-      _mm256_storeu_ps(out + i * ldo + c, _mm256_mul_ps(_mm256_loadu_ps(acc + i * d + c), vinv));
+      _mm256_storeu_ps(out + i * ldo + c, _mm256_mul_ps(_mm256_loadu_ps(a[i] + c), vinv));
   }
 }
 
