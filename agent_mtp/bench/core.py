@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from agent_mtp.bench.hf import BaselineModels, HFOutput, hf_generate
+from agent_mtp.bench.hf import BaselineModels, HFOutput, hf_generate, kernels_for
 from agent_mtp.bench.scoring import mean_nll, repetition_rate, score_item, token_agreement
 from agent_mtp.bench.suites import BenchPrompt, load_suite, prompt_grammar
 from agent_mtp.engine import DecodeConfig, MTPEngine
@@ -83,7 +83,8 @@ class Variant:
     prompt_lookup: int | None = None
     """HF variants: ``prompt_lookup_num_tokens`` (prompt lookup decoding)."""
     runtime: str | None = None
-    """Engine variants: the runtime that runs them ("fast", "fast-fp32" or "hf"; None: the engine's own)."""
+    """Engine variants: the runtime that runs them ("fast", "fast-fp32", "fast-avx2" or "hf"; None: the engine's
+    own)."""
     peer: str | None = None
     """Peers outside transformers: "llama-cpp"."""
 
@@ -95,7 +96,7 @@ class Variant:
 _VARIANT_NAMES = re.compile(
     r"^(?:(?P<hf>hf-generate-(?P<dtype>fp32|bf16))|(?P<lookup>hf-prompt-lookup)|(?P<llamacpp>llama-cpp)"
     r"|(?:(?P<ntp>ntp)|static-(?P<static>\d+)|confadapt-(?P<tau>\d+(?:\.\d+)?)(?P<cauto>-auto)?"
-    r"|verified(?P<drafts>-mtp-ngram|-mtp|-ngram)?(?P<vauto>-auto)?)(?:@(?P<runtime>fast-fp32|fast|hf))?)$"
+    r"|verified(?P<drafts>-mtp-ngram|-mtp|-ngram)?(?P<vauto>-auto)?)(?:@(?P<runtime>fast-fp32|fast-avx2|fast|hf))?)$"
 )
 
 
@@ -103,13 +104,14 @@ def variant_from_name(name: str, *, k_max: int = 8) -> Variant:
     """A variant from its name: ``hf-generate-fp32``, ``hf-generate-bf16``, ``hf-prompt-lookup``, ``llama-cpp``,
     ``ntp``, ``static-<k>``, ``confadapt-<tau>[-auto]``, ``verified[-mtp|-ngram|-mtp-ngram][-auto]`` (only those
     draft sources; ``-auto``: ``k_max="auto"``); an engine variant may end in ``@fast`` or ``@hf`` to pick the
-    runtime that runs it, or ``@fast-fp32`` for the fast runtime without block weights (float32 GEMM only)."""
+    runtime that runs it, ``@fast-fp32`` for the fast runtime without block weights (float32 GEMM only), or
+    ``@fast-avx2`` for the fast runtime with its kernels in their AVX2 forms (on a CPU with AVX-512)."""
     m = _VARIANT_NAMES.match(name.strip())
     if m is None:
         msg = (
             f"Unknown bench variant {name!r}; use hf-generate-fp32, hf-generate-bf16, hf-prompt-lookup, llama-cpp, "
             "ntp, static-<k>, confadapt-<tau>[-auto] or verified[-mtp|-ngram|-mtp-ngram][-auto], engine variants "
-            "optionally with @fast, @fast-fp32 or @hf."
+            "optionally with @fast, @fast-fp32, @fast-avx2 or @hf."
         )
         raise ConfigError(msg)
     if m["llamacpp"]:
@@ -205,9 +207,10 @@ def run_once(
     # every prompt prefilled in full, as HF generate does (agent-mtp bench-prefix measures the prefix cache)
     config = variant.config.replace(max_new_tokens=prompt.max_new_tokens, prefix_cache=False)
     runner_engine = models.engine(variant.runtime)
-    start = time.perf_counter()  # timed from outside, like HF generate: what the caller waits for
-    result = runner_engine.generate(ids, config, constraint=constraint)
-    wall = time.perf_counter() - start
+    with kernels_for(variant.runtime):
+        start = time.perf_counter()  # timed from outside, like HF generate: what the caller waits for
+        result = runner_engine.generate(ids, config, constraint=constraint)
+        wall = time.perf_counter() - start
     s = result.stats
     return Run(
         variant.name,
@@ -274,7 +277,8 @@ def run_bench(
     if fresh_cost_curve:
         for runtime in sorted({v.runtime or engine.runtime for v in variants if v.config and v.config.mode != "ntp"}):
             sibling = baselines.engine(runtime)
-            sibling.set_cost_curve(sibling.measure_cost_curve())
+            with kernels_for(runtime):
+                sibling.set_cost_curve(sibling.measure_cost_curve())
     runs: list[Run] = []
     for rep in range(repeats):
         for i, prompt in enumerate(prompts):

@@ -9,6 +9,7 @@ with a constrained peer.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 from collections.abc import Iterator
@@ -19,7 +20,9 @@ from typing import Any
 
 import torch
 
+from agent_mtp.engine import MTPEngine
 from agent_mtp.engine.constraints import TokenConstraint
+from agent_mtp.engine.fast import blockq
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,14 @@ def bare_model(engine: Any) -> Iterator[Any]:
 FAST_FP32 = "fast-fp32"
 """A bench runtime name: the fast runtime with the float32 GEMM for every pass (no block weights), to show the
 block kernels' gain side by side."""
+FAST_AVX2 = "fast-avx2"
+"""A bench runtime name: the fast runtime with the block kernels in their AVX2 forms on a CPU with AVX-512 (the same
+tokens; its own cost curve), to show the AVX-512 forms' gain side by side. Without AVX-512 it is the fast runtime."""
+
+
+def kernels_for(runtime: str | None) -> contextlib.AbstractContextManager[object]:
+    """What a variant on ``runtime`` runs inside: the AVX2 forms for :data:`FAST_AVX2`, else the process's choice."""
+    return blockq.avx512(False) if runtime == FAST_AVX2 and blockq.kernels_available() else contextlib.nullcontext()
 
 
 class BaselineModels:
@@ -67,6 +78,8 @@ class BaselineModels:
         if runtime not in self._engines:
             if runtime == FAST_FP32:
                 self._engines[runtime] = self.main.with_runtime("fast", block_weights=False)
+            elif runtime == FAST_AVX2:  # a sibling of its own: a fast-runtime main engine would return itself
+                self._engines[runtime] = MTPEngine(self.main.loaded, adapter=self.main.adapter, runtime="fast")
             else:
                 self._engines[runtime] = self.main.with_runtime(runtime)
         return self._engines[runtime]

@@ -246,8 +246,9 @@ def test_cli_ab_prints_both_sides_and_flushes_to_redis(
 
 # -- runtimes and peers ----------------------------------------------------------------------------------------------
 def test_runtime_variants_run_side_by_side_with_equal_greedy_output(engine: Any, prompts: list[Any]):
-    variants = variants_from_names(["ntp@hf", "ntp@fast", "verified@hf", "verified", "verified@fast-fp32"], k_max=4)
-    assert [v.runtime for v in variants] == ["hf", "fast", "hf", None, "fast-fp32"]
+    names = ["ntp@hf", "ntp@fast", "verified@hf", "verified", "verified@fast-fp32", "verified@fast-avx2"]
+    variants = variants_from_names(names, k_max=4)
+    assert [v.runtime for v in variants] == ["hf", "fast", "hf", None, "fast-fp32", "fast-avx2"]
     assert engine.runtime == "fast"
     report = run_bench(engine, prompts, variants, score=False)
     outputs: dict[str, dict[str, list[int]]] = {}
@@ -255,7 +256,21 @@ def test_runtime_variants_run_side_by_side_with_equal_greedy_output(engine: Any,
         outputs.setdefault(run.prompt_id, {})[run.variant] = run.token_ids
     for prompt_id, by_variant in outputs.items():
         assert len({tuple(ids) for ids in by_variant.values()}) == 1, prompt_id
-    assert set(report.settings["cost_curves"]) == {"fast", "hf", "fast-fp32"}
+    assert set(report.settings["cost_curves"]) == {"fast", "hf", "fast-fp32", "fast-avx2"}
+
+
+def test_fast_avx2_variants_run_the_avx2_kernels():
+    from agent_mtp.bench.hf import FAST_AVX2, kernels_for
+    from agent_mtp.engine.fast import blockq
+
+    if not blockq.kernels_available():
+        pytest.skip("block-weight kernels unavailable here")
+    before = blockq.avx512_active()
+    with kernels_for(FAST_AVX2):
+        assert not blockq.avx512_active() and blockq.kernel_tag() == "blockq3"  # its own cost curve
+    assert blockq.avx512_active() == before
+    with kernels_for("fast"):
+        assert blockq.avx512_active() == before
 
 
 def test_peer_and_runtime_names_are_validated():
@@ -266,6 +281,7 @@ def test_peer_and_runtime_names_are_validated():
     assert not variant_from_name("llama-cpp").is_hf
     assert variant_from_name("confadapt-0.8@hf").config.threshold == 0.8  # type: ignore[union-attr]
     assert variant_from_name("ntp@fast-fp32").runtime == "fast-fp32"
+    assert variant_from_name("verified@fast-avx2").runtime == "fast-avx2"
     for bad in ("hf-generate-fp32@hf", "llama-cpp@fast", "ntp@gpu", "hf-generate-fp32@fast-fp32"):
         with pytest.raises(ConfigError, match="Unknown bench variant"):
             variant_from_name(bad)
