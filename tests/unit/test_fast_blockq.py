@@ -405,9 +405,9 @@ def test_avx512_passes_give_the_avx2_logits(monkeypatch: pytest.MonkeyPatch, ada
 
 def test_kernel_tag_names_the_avx512_forms() -> None:
     with blockq.avx512(True) as on:
-        assert blockq.kernel_tag() == ("blockq3-avx512" if on else "blockq3")
+        assert blockq.kernel_tag() == ("blockq4-avx512" if on else "blockq4")
     with blockq.avx512(False):
-        assert blockq.kernel_tag() == "blockq3" and not blockq.avx512_active()
+        assert blockq.kernel_tag() == "blockq4" and not blockq.avx512_active()
 
 
 def test_avx512_can_be_switched_off_by_environment() -> None:

@@ -110,7 +110,7 @@ def kernel_tag() -> str:
     """A short name of the weight path passes take (part of the cost curve's cache key)."""
     if not (enabled() and kernels_available()):
         return "fp32"
-    return "blockq3-avx512" if avx512_active() else "blockq3"
+    return "blockq4-avx512" if avx512_active() else "blockq4"  # 4: attention by key chunks
 
 
 def pinned_rows() -> int | None:
