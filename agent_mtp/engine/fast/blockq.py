@@ -10,8 +10,9 @@ per block of rows), so :class:`BlockWeights` is used for passes of up to a cross
 (:data:`MAX_ROWS`, ``docs/benchmarks.md``).
 
 Every output of the kernel is one fixed sequence of float32 operations, whatever the number of rows, so a row's
-result does not depend on the rows beside it. The kernels are C++ (AVX2 + FMA) compiled once per machine into the
-cache directory with the system compiler; where that is impossible the fast runtime keeps the float32 GEMM.
+result does not depend on the rows beside it. The kernels are C++ (AVX2 + FMA, and AVX-512 forms giving the same
+bits, chosen at run time where the CPU has them) compiled once per machine into the cache directory with the system
+compiler; where that is impossible the fast runtime keeps the float32 GEMM.
 """
 
 from __future__ import annotations

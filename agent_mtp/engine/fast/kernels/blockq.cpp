@@ -1,4 +1,5 @@
-// Linear layers over block-quantized weights for AVX2 CPUs, computed in float32.
+// Linear layers over block-quantized weights for AVX2 CPUs (and AVX-512 forms with the same numbers, below), computed
+// in float32.
 //
 // The default model ships as a GGUF file whose decoder weights are Q4_1 (per block of 32: w = d * q + m, q in 0..15)
 // and whose embedding is Q8_0 (w = d * q, q in -128..127). Its float32 weights are exactly those values, so reading
@@ -429,6 +430,7 @@ void lanes_pair(const float* x, int64_t rows, int64_t k, const uint8_t* la, cons
 #pragma GCC pop_options
 
 bool cpu_has_avx512() {
+  __builtin_cpu_init();  // g_wide below is set while the library loads, possibly before libgcc's own set-up
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
          __builtin_cpu_supports("avx512vbmi");
