@@ -356,9 +356,11 @@ class MTPEngine:
         device = str(self.model.device).replace(":", "")
         slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", self.model_id)
         dtype = str(self.model.dtype).replace("torch.", "")
+        rows = self._fast_model().block_rows if self.runtime != "hf" and self.block_weights else None
+        # read after preparing the model, which settles the kernels' form (and the crossover) for the process
         kernels = "" if self.runtime == "hf" else f"-{blockq.kernel_tag() if self.block_weights else 'fp32'}"
-        if self.runtime != "hf" and self.block_weights:
-            kernels += f"-r{self._fast_model().block_rows}"  # the crossover the prepared model settled on
+        if rows is not None:
+            kernels += f"-r{rows}"  # the crossover the prepared model settled on
         name = f"{slug}-{device}-{dtype}-{self.runtime}{kernels}-t{compute_threads()}.json"
         return cache_root() / "cost_curves" / name
 

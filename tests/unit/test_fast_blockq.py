@@ -590,6 +590,47 @@ def test_one_noisy_loss_does_not_end_the_crossover_scan(monkeypatch: pytest.Monk
     assert weights.measure_block_rows(linears, rounds=1) == 12
 
 
+@pytest.mark.parametrize("slow_form", [True, False])
+def test_kernel_form_measurement_keeps_the_faster_form(monkeypatch: pytest.MonkeyPatch, slow_form: bool) -> None:
+    """The AVX-512 forms are kept where they multiply faster than the AVX2 forms, and dropped where they do not (as
+    could happen on a CPU that splits 512-bit instructions in two)."""
+    import time
+
+    from agent_mtp.engine.fast import weights
+
+    _wide_or_skip()
+    linears = _block_linears(2)
+    for linear in linears:
+        product = linear.blocks_product
+
+        def slowed(x: torch.Tensor, norm: Any = None, product: Any = product) -> torch.Tensor:
+            if blockq.avx512_active() == slow_form:
+                time.sleep(0.003)
+            return product(x, norm)
+
+        monkeypatch.setattr(linear, "blocks_product", slowed)
+    assert weights.measure_avx512(linears, rounds=1) is (not slow_form)
+
+
+def test_kernel_form_is_settled_once_per_process_unless_pinned(monkeypatch: pytest.MonkeyPatch) -> None:
+    _wide_or_skip()
+    calls: list[int] = []
+
+    def measure(result: bool) -> Any:
+        return lambda: calls.append(1) or result
+
+    with blockq.avx512(blockq.avx512_active()):  # restores the process's form afterwards
+        monkeypatch.delenv(blockq.AVX512_ENV, raising=False)
+        monkeypatch.setattr(blockq, "_settled", [])
+        assert blockq.settle_avx512(measure(False)) is False and not blockq.avx512_active()
+        assert blockq.settle_avx512(measure(True)) is False and calls == [1]  # measured once
+        assert blockq.kernel_tag() == "blockq4"
+        monkeypatch.setattr(blockq, "_settled", [])
+        monkeypatch.setenv(blockq.AVX512_ENV, "1")
+        with blockq.avx512(True):
+            assert blockq.settle_avx512(measure(False)) is True and calls == [1]  # pinned: not measured
+
+
 def test_crossover_can_be_pinned(monkeypatch: pytest.MonkeyPatch) -> None:
     engine = _engine("plain-llama", adapter=False)
     monkeypatch.setenv(blockq.ROWS_ENV, "7")

@@ -27,7 +27,8 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,8 +60,10 @@ beside the kernel; more than this share of them means the tensor is not a quanti
 ENV_SWITCH = "AGENT_MTP_BLOCK_WEIGHTS"
 """Set to 0 to keep the float32 GEMM everywhere (the kernels are then neither compiled nor loaded)."""
 AVX512_ENV = "AGENT_MTP_AVX512"
-"""Set to 0 to keep the AVX2 kernels on a CPU with AVX-512 (the numbers are the same bits either way; the AVX-512
-ones rebuild twice the weights per instruction, 1.2-1.5x faster per product where measured)."""
+"""Set to 0 to keep the AVX2 kernels on a CPU with AVX-512, to 1 to use the AVX-512 forms without timing them
+(unset: the faster form is measured once per process on the first large model, :func:`settle_avx512`). The numbers
+are the same bits either way; the AVX-512 forms rebuild twice the weights per instruction, 1.2-1.5x faster per
+product where measured."""
 _SOURCE = Path(__file__).with_name("kernels") / "blockq.cpp"
 _FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared", "-std=c++20")
 
@@ -76,6 +79,23 @@ def enabled() -> bool:
 def avx512_active() -> bool:
     """Whether the kernels run their AVX-512 forms (the CPU has AVX-512 F/BW/DQ/VL and :data:`AVX512_ENV` allows it)."""
     return kernels_available() and bool(torch.ops.agent_mtp_blockq.use_avx512(-1))
+
+
+_settled: list[bool] = []
+_settle_lock = threading.Lock()
+
+
+def settle_avx512(measure: Callable[[], bool]) -> bool:
+    """Keep the faster kernel form for this process: ``measure()`` (True: AVX-512) decides once, the first time a
+    model large enough to time is prepared, unless :data:`AVX512_ENV` is set (then its choice stands). Returns
+    whether the AVX-512 forms serve the process."""
+    with _settle_lock:
+        if not _settled:
+            if kernels_available() and not os.environ.get(AVX512_ENV, "").strip():
+                torch.ops.agent_mtp_blockq.use_avx512(int(measure()))
+                log.info("Block kernels: %s forms (the faster here)", "AVX-512" if avx512_active() else "AVX2")
+            _settled.append(avx512_active())
+        return _settled[0]
 
 
 @contextlib.contextmanager

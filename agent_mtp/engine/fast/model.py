@@ -31,6 +31,7 @@ from agent_mtp.engine.fast.weights import (
     PackedLinear,
     Projection,
     flat_runs,
+    measure_avx512,
     measure_block_rows,
     rope_pair_order,
     stack_low_rank,
@@ -203,7 +204,10 @@ class FastModel:
         if all(linear.blocks is None for linear in linears):
             return 0
         rows = blockq.pinned_rows()
-        if rows is None and sum(linear.nbytes() for linear in linears) >= CROSSOVER_BYTES:
+        large = sum(linear.nbytes() for linear in linears) >= CROSSOVER_BYTES
+        if large:  # the kernel form first: the crossover is measured on the form that will serve
+            blockq.settle_avx512(lambda: measure_avx512(linears))
+        if rows is None and large:
             rows = measure_block_rows(linears)
             log.info("Block weights serve passes of up to %d rows here (measured against the float32 GEMM)", rows)
         rows = blockq.MAX_ROWS if rows is None else rows

@@ -153,6 +153,57 @@ CROSSOVER_BYTES = 64 << 20
 """Float32 bytes of weights a crossover measurement multiplies per round: past every CPU cache, as in a real pass."""
 
 
+def _crossover_sample(linears: Sequence[PackedLinear]) -> list[PackedLinear]:
+    """The first block linears up to :data:`CROSSOVER_BYTES` of float32 weights (enough to stream from memory)."""
+    chosen: list[PackedLinear] = []
+    taken = 0
+    for linear in linears:
+        if linear.blocks is not None and taken < CROSSOVER_BYTES:
+            chosen.append(linear)
+            taken += linear.nbytes()
+    return chosen
+
+
+WIDE_ROWS = (1, 8)
+"""Pass sizes at which the kernels' AVX-512 and AVX2 forms are timed against each other: a one-token pass (row
+kernels) and a drafted or batched one (lane kernels)."""
+
+
+def measure_avx512(linears: Sequence[PackedLinear], *, rounds: int = 3) -> bool:
+    """Whether the block kernels' AVX-512 forms multiply ``linears`` faster than their AVX2 forms here, summed over
+    :data:`WIDE_ROWS` (fastest of ``rounds``, the forms alternating). Both give the same bits, so the faster form can
+    serve the whole process: 1.2-1.5x on a Sapphire-Rapids-class Xeon, not known on CPUs that split 512-bit
+    instructions in two (Zen 4). False where the CPU has no AVX-512 forms. Run it on the thread that runs passes."""
+    chosen = _crossover_sample(linears)
+    with blockq.avx512(True) as wide:
+        if not wide or not chosen:
+            return wide
+    inputs = {
+        w: torch.randn(max(WIDE_ROWS), w, generator=torch.Generator().manual_seed(0))
+        for w in {x.in_features for x in chosen}
+    }
+
+    def timed(wide: bool, rows: int) -> float:
+        with blockq.avx512(wide):
+            start = time.perf_counter()
+            for linear in chosen:
+                linear.blocks_product(inputs[linear.in_features][:rows])
+            return time.perf_counter() - start
+
+    totals = dict.fromkeys((True, False), 0.0)
+    for rows in WIDE_ROWS:
+        timed(True, rows)  # warm-up
+        timed(False, rows)
+        best = dict.fromkeys((True, False), math.inf)
+        for _ in range(rounds):
+            for form in (True, False):
+                best[form] = min(best[form], timed(form, rows))
+        log.debug("kernel forms at %d rows: AVX-512 %.2f ms, AVX2 %.2f ms", rows, 1e3 * best[True], 1e3 * best[False])
+        for form in (True, False):
+            totals[form] += best[form]
+    return totals[True] <= totals[False]
+
+
 def measure_block_rows(linears: Sequence[PackedLinear], *, rounds: int = 3) -> int:
     """The largest of :data:`CROSSOVER_CANDIDATES` at which reading the blocks is at least as fast as the float32
     GEMM, scanning upwards until the blocks lose at two candidates in a row (one noisy loss does not end the scan);
@@ -161,12 +212,7 @@ def measure_block_rows(linears: Sequence[PackedLinear], *, rounds: int = 3) -> i
     Each round multiplies random rows by ``linears`` in turn until :data:`CROSSOVER_BYTES` of float32 weights have
     been read (they stream from memory, as in a pass), on both paths alternately; the fastest of ``rounds`` counts.
     Run it on the thread that will run the passes (its OpenMP pool is the one that is timed)."""
-    chosen: list[PackedLinear] = []
-    taken = 0
-    for linear in linears:
-        if linear.blocks is not None and taken < CROSSOVER_BYTES:
-            chosen.append(linear)
-            taken += linear.nbytes()
+    chosen = _crossover_sample(linears)
     if not chosen:
         return blockq.MAX_ROWS
     widest = max(CROSSOVER_CANDIDATES)
