@@ -181,28 +181,35 @@ inline void lanes_kernel(const float* x, int64_t k, const uint8_t* lanes, const 
   }
 }
 
-// Rows [0, rows) of one group, in tiles of at most kLaneTile rows spread evenly (rows >= kLaneRows: tiles of 4-8).
-template <class L>
-void lanes_group(const float* x, int64_t rows, int64_t k, const uint8_t* lanes, const float* d, const float* m,
-                 float* y, int64_t ldy, bool add) {
+// Rows [0, rows) in tiles of at most kLaneTile rows spread evenly (rows >= kLaneRows: tiles of 4-8): calls
+// tile(first row, std::integral_constant<int, size>) for each, so the kernel is instantiated per tile size.
+template <class Tile>
+inline void for_each_lane_tile(int64_t rows, Tile&& tile) {
   const int64_t tiles = (rows + kLaneTile - 1) / kLaneTile;
   int64_t r = 0;
   for (int64_t t = 0; t < tiles; ++t) {
     const int64_t size = rows / tiles + (t < rows % tiles ? 1 : 0);
-    const float* xr = x + r * k;
-    float* yr = y + r * ldy;
     switch (size) {
-      case 8: lanes_kernel<L, 8>(xr, k, lanes, d, m, yr, ldy, add); break;
-      case 7: lanes_kernel<L, 7>(xr, k, lanes, d, m, yr, ldy, add); break;
-      case 6: lanes_kernel<L, 6>(xr, k, lanes, d, m, yr, ldy, add); break;
-      case 5: lanes_kernel<L, 5>(xr, k, lanes, d, m, yr, ldy, add); break;
-      case 4: lanes_kernel<L, 4>(xr, k, lanes, d, m, yr, ldy, add); break;
-      case 3: lanes_kernel<L, 3>(xr, k, lanes, d, m, yr, ldy, add); break;
-      case 2: lanes_kernel<L, 2>(xr, k, lanes, d, m, yr, ldy, add); break;
-      default: lanes_kernel<L, 1>(xr, k, lanes, d, m, yr, ldy, add); break;
+      case 8: tile(r, std::integral_constant<int, 8>{}); break;
+      case 7: tile(r, std::integral_constant<int, 7>{}); break;
+      case 6: tile(r, std::integral_constant<int, 6>{}); break;
+      case 5: tile(r, std::integral_constant<int, 5>{}); break;
+      case 4: tile(r, std::integral_constant<int, 4>{}); break;
+      case 3: tile(r, std::integral_constant<int, 3>{}); break;
+      case 2: tile(r, std::integral_constant<int, 2>{}); break;
+      default: tile(r, std::integral_constant<int, 1>{}); break;
     }
     r += size;
   }
+}
+
+// Rows [0, rows) of one group.
+template <class L>
+void lanes_group(const float* x, int64_t rows, int64_t k, const uint8_t* lanes, const float* d, const float* m,
+                 float* y, int64_t ldy, bool add) {
+  for_each_lane_tile(rows, [&](int64_t r, auto size) {
+    lanes_kernel<L, decltype(size)::value>(x + r * k, k, lanes, d, m, y + r * ldy, ldy, add);
+  });
 }
 
 // ---- AVX-512 (where the CPU has it) ------------------------------------------------------------------------------
@@ -406,24 +413,9 @@ inline void lanes_kernel(const float* x, int64_t k, const uint8_t* la, const uin
 template <class W, int64_t Bytes>
 void lanes_pair(const float* x, int64_t rows, int64_t k, const uint8_t* la, const uint8_t* lb, const float* da,
                 const float* db, const float* ma, const float* mb, float* y, int64_t ldy, bool add) {
-  const int64_t tiles = (rows + kLaneTile - 1) / kLaneTile;
-  int64_t r = 0;
-  for (int64_t t = 0; t < tiles; ++t) {
-    const int64_t size = rows / tiles + (t < rows % tiles ? 1 : 0);
-    const float* xr = x + r * k;
-    float* yr = y + r * ldy;
-    switch (size) {
-      case 8: lanes_kernel<W, Bytes, 8>(xr, k, la, lb, da, db, ma, mb, yr, ldy, add); break;
-      case 7: lanes_kernel<W, Bytes, 7>(xr, k, la, lb, da, db, ma, mb, yr, ldy, add); break;
-      case 6: lanes_kernel<W, Bytes, 6>(xr, k, la, lb, da, db, ma, mb, yr, ldy, add); break;
-      case 5: lanes_kernel<W, Bytes, 5>(xr, k, la, lb, da, db, ma, mb, yr, ldy, add); break;
-      case 4: lanes_kernel<W, Bytes, 4>(xr, k, la, lb, da, db, ma, mb, yr, ldy, add); break;
-      case 3: lanes_kernel<W, Bytes, 3>(xr, k, la, lb, da, db, ma, mb, yr, ldy, add); break;
-      case 2: lanes_kernel<W, Bytes, 2>(xr, k, la, lb, da, db, ma, mb, yr, ldy, add); break;
-      default: lanes_kernel<W, Bytes, 1>(xr, k, la, lb, da, db, ma, mb, yr, ldy, add); break;
-    }
-    r += size;
-  }
+  for_each_lane_tile(rows, [&](int64_t r, auto size) {
+    lanes_kernel<W, Bytes, decltype(size)::value>(x + r * k, k, la, lb, da, db, ma, mb, y + r * ldy, ldy, add);
+  });
 }
 
 }  // namespace wide
