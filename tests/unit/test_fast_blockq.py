@@ -353,6 +353,10 @@ def test_lane_kernel_passes_in_the_model(monkeypatch: pytest.MonkeyPatch, adapte
                 cache.truncate(cache.length - len(tokens) + 1)
 
 
+FORMS = (blockq.Wide.NONE, blockq.Wide.ROWS, blockq.Wide.LANES, blockq.Wide.ALL)
+"""Every mix of kernel forms: AVX2 only, AVX-512 for the row or the lane kernels alone, for both."""
+
+
 def _wide_or_skip() -> None:
     with blockq.avx512(True) as on:
         if not on:
@@ -372,13 +376,14 @@ def test_avx512_kernels_give_the_avx2_bits(kind: str) -> None:
         for rows in (1, 2, 3, 4, 5, 6, 8, 9, 13, 17, 24):
             x, extra, gain, residual = torch.randn(rows, k), torch.randn(3, k), torch.randn(k), torch.randn(rows, out)
             results = []
-            for wide in (False, True):
+            for wide in FORMS:
                 with blockq.avx512(wide) as on:
-                    assert on == wide
+                    assert on == bool(wide)
                     into = residual.clone()
                     low = blocks.add_into(into, x, extra)
                     results.append((blocks(x), blocks(x, extra), blocks(x, norm=(gain, 1e-6)), into, low))
-            assert all(torch.equal(a, b) for a, b in zip(*results, strict=True)), (out, rows)
+            for other in results[1:]:
+                assert all(torch.equal(a, b) for a, b in zip(results[0], other, strict=True)), (out, rows)
             torch.testing.assert_close(results[1][0], F.linear(x, weight), atol=2e-5, rtol=1e-5)
 
 
@@ -392,33 +397,50 @@ def test_avx512_passes_give_the_avx2_logits(monkeypatch: pytest.MonkeyPatch, ada
     model = FastModel.from_hf(engine.model, mask_token_id=engine.mask_token_id)
     m = engine.mask_token_id
     prompt = _random_ids(20, seed=11)
-    outs: dict[bool, list[torch.Tensor]] = {}
-    for wide in (False, True):
+    outs: dict[blockq.Wide, list[torch.Tensor]] = {}
+    for wide in FORMS:
         cache = model.new_cache()
         with blockq.avx512(wide):
             outs[wide] = [model.forward(prompt, cache, 2)]
             for tokens in ([5], [7, m, m], [1, 2, 3, 4, 5, m, m], [9, 8, 7, 6, 5, 4, 3, 2, 1, m, m, m]):
                 outs[wide].append(model.forward(tokens, cache, len(tokens)))
             outs[wide] += [layer[:, :, : cache.length].clone() for layer in cache.layers]
-    assert all(torch.equal(a, b) for a, b in zip(outs[False], outs[True], strict=True))
+    for wide in FORMS[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(outs[blockq.Wide.NONE], outs[wide], strict=True)), wide
 
 
 def test_kernel_tag_names_the_avx512_forms() -> None:
     with blockq.avx512(True) as on:
-        assert blockq.kernel_tag() == ("blockq4-avx512" if on else "blockq4")
+        assert blockq.kernel_tag() == ("blockq5-avx512" if on else "blockq5")
+    if on:
+        with blockq.avx512(blockq.Wide.ROWS):
+            assert blockq.kernel_tag() == "blockq5-avx512rows" and blockq.avx512_forms() == blockq.Wide.ROWS
+        with blockq.avx512(blockq.Wide.LANES):
+            assert blockq.kernel_tag() == "blockq5-avx512lanes" and blockq.avx512_active()
     with blockq.avx512(False):
-        assert blockq.kernel_tag() == "blockq4" and not blockq.avx512_active()
+        assert blockq.kernel_tag() == "blockq5" and not blockq.avx512_active()
 
 
-def test_avx512_can_be_switched_off_by_environment() -> None:
+@pytest.mark.parametrize(("value", "forms"), [("0", "0"), ("rows", "1"), ("LANES", "2")])
+def test_avx512_forms_can_be_pinned_by_environment(value: str, forms: str) -> None:
     import subprocess
     import sys
 
-    code = "from agent_mtp.engine.fast import blockq; print(blockq.kernels_available(), blockq.avx512_active())"
-    env = {**os.environ, blockq.AVX512_ENV: "0"}
+    code = "from agent_mtp.engine.fast import blockq; print(blockq.kernels_available(), int(blockq.avx512_forms()))"
+    env = {**os.environ, blockq.AVX512_ENV: value}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split() == ["True", "False"]
+    with blockq.avx512(True) as on:
+        pass
+    assert done.stdout.split() == ["True", forms if on else "0"]
+
+
+def test_a_bad_avx512_setting_names_the_choices(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(blockq.AVX512_ENV, "fast")
+    with pytest.raises(ConfigError, match=r"AGENT_MTP_AVX512='fast'.*0 \(AVX2 only\).*rows or lanes"):
+        blockq.pinned_forms()
+    monkeypatch.setenv(blockq.AVX512_ENV, " ")
+    assert blockq.pinned_forms() is None
 
 
 def test_low_rank_delta_at_the_mask_runs_matches_addmm() -> None:
@@ -590,10 +612,10 @@ def test_one_noisy_loss_does_not_end_the_crossover_scan(monkeypatch: pytest.Monk
     assert weights.measure_block_rows(linears, rounds=1) == 12
 
 
-@pytest.mark.parametrize("slow_form", [True, False])
-def test_kernel_form_measurement_keeps_the_faster_form(monkeypatch: pytest.MonkeyPatch, slow_form: bool) -> None:
-    """The AVX-512 forms are kept where they multiply faster than the AVX2 forms, and dropped where they do not (as
-    could happen on a CPU that splits 512-bit instructions in two)."""
+@pytest.mark.parametrize("faster", FORMS)
+def test_kernel_form_measurement_keeps_the_faster_form_per_class(monkeypatch: pytest.MonkeyPatch, faster: Any) -> None:
+    """Each kernel class keeps its AVX-512 form where that multiplies faster than its AVX2 form, and drops it where
+    it does not (as on Zen 4, whose lane kernels lose in AVX-512 while its row kernels gain)."""
     import time
 
     from agent_mtp.engine.fast import weights
@@ -604,31 +626,33 @@ def test_kernel_form_measurement_keeps_the_faster_form(monkeypatch: pytest.Monke
         product = linear.blocks_product
 
         def slowed(x: torch.Tensor, norm: Any = None, product: Any = product) -> torch.Tensor:
-            if blockq.avx512_active() == slow_form:
+            serving = blockq.Wide.ROWS if x.shape[0] < blockq.LANE_ROWS else blockq.Wide.LANES
+            if (serving in blockq.avx512_forms()) != (serving in faster):
                 time.sleep(0.003)
             return product(x, norm)
 
         monkeypatch.setattr(linear, "blocks_product", slowed)
-    assert weights.measure_avx512(linears, rounds=1) is (not slow_form)
+    assert weights.measure_avx512(linears, rounds=1) == faster
 
 
 def test_kernel_form_is_settled_once_per_process_unless_pinned(monkeypatch: pytest.MonkeyPatch) -> None:
     _wide_or_skip()
     calls: list[int] = []
 
-    def measure(result: bool) -> Any:
+    def measure(result: blockq.Wide) -> Any:
         return lambda: calls.append(1) or result
 
-    with blockq.avx512(blockq.avx512_active()):  # restores the process's form afterwards
+    with blockq.avx512(blockq.avx512_forms()):  # restores the process's forms afterwards
         monkeypatch.delenv(blockq.AVX512_ENV, raising=False)
         monkeypatch.setattr(blockq, "_settled", [])
-        assert blockq.settle_avx512(measure(False)) is False and not blockq.avx512_active()
-        assert blockq.settle_avx512(measure(True)) is False and calls == [1]  # measured once
-        assert blockq.kernel_tag() == "blockq4"
+        assert blockq.settle_avx512(measure(blockq.Wide.ROWS)) == blockq.Wide.ROWS
+        assert blockq.avx512_forms() == blockq.Wide.ROWS
+        assert blockq.settle_avx512(measure(blockq.Wide.NONE)) == blockq.Wide.ROWS and calls == [1]  # measured once
+        assert blockq.kernel_tag() == "blockq5-avx512rows"
         monkeypatch.setattr(blockq, "_settled", [])
         monkeypatch.setenv(blockq.AVX512_ENV, "1")
         with blockq.avx512(True):
-            assert blockq.settle_avx512(measure(False)) is True and calls == [1]  # pinned: not measured
+            assert blockq.settle_avx512(measure(blockq.Wide.NONE)) == blockq.Wide.ALL and calls == [1]  # pinned
 
 
 def test_crossover_can_be_pinned(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
 import functools
 import hashlib
 import logging
@@ -60,10 +61,52 @@ beside the kernel; more than this share of them means the tensor is not a quanti
 ENV_SWITCH = "AGENT_MTP_BLOCK_WEIGHTS"
 """Set to 0 to keep the float32 GEMM everywhere (the kernels are then neither compiled nor loaded)."""
 AVX512_ENV = "AGENT_MTP_AVX512"
-"""Set to 0 to keep the AVX2 kernels on a CPU with AVX-512, to 1 to use the AVX-512 forms without timing them
-(unset: the faster form is measured once per process on the first large model, :func:`settle_avx512`). The numbers
-are the same bits either way; the AVX-512 forms rebuild twice the weights per instruction, 1.2-1.5x faster per
-product where measured."""
+"""Set to 0 to keep the AVX2 kernels on a CPU with AVX-512, to 1 to use the AVX-512 forms of both kernel classes
+without timing them, to ``rows`` or ``lanes`` for one class only (unset: each class's faster form is measured once
+per process on the first large model, :func:`settle_avx512`). The numbers are the same bits either way; the AVX-512
+forms rebuild twice the weights per instruction: 1.2-1.5x faster per product on a Sapphire-Rapids-class Xeon, and on
+Zen 4 faster for the row kernels but slower for the lane kernels."""
+
+
+class Wide(enum.IntFlag):
+    """Which kernel classes run their AVX-512 forms (the bits of ``avx512_forms`` in kernels/blockq.cpp)."""
+
+    NONE = 0
+    ROWS = 1
+    """The row kernels (passes under :data:`LANE_ROWS` rows) and the multi-row attention loops of short passes."""
+    LANES = 2
+    """The lane kernels (passes of :data:`LANE_ROWS` rows or more)."""
+    ALL = 3
+
+
+_PINNED_FORMS = {
+    "0": Wide.NONE,
+    "false": Wide.NONE,
+    "no": Wide.NONE,
+    "off": Wide.NONE,
+    "1": Wide.ALL,
+    "true": Wide.ALL,
+    "yes": Wide.ALL,
+    "on": Wide.ALL,
+    "all": Wide.ALL,
+    "rows": Wide.ROWS,
+    "lanes": Wide.LANES,
+}
+
+
+def pinned_forms() -> Wide | None:
+    """The kernel forms :data:`AVX512_ENV` pins, or None where it is unset (then they are measured)."""
+    raw = os.environ.get(AVX512_ENV, "").strip().lower()
+    if not raw:
+        return None
+    if raw not in _PINNED_FORMS:
+        raise ConfigError(
+            f"{AVX512_ENV}={raw!r} is not a kernel form: set it to 0 (AVX2 only), 1 (AVX-512 for both kernel "
+            "classes), rows or lanes (AVX-512 for one class), or unset it to measure the faster forms."
+        )
+    return _PINNED_FORMS[raw]
+
+
 _SOURCE = Path(__file__).with_name("kernels") / "blockq.cpp"
 _FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared", "-std=c++20")
 
@@ -76,40 +119,54 @@ def enabled() -> bool:
     return _switched_on(ENV_SWITCH)
 
 
+def avx512_forms() -> Wide:
+    """The kernel classes that run their AVX-512 forms in this process (none without the kernels or AVX-512)."""
+    return Wide(int(torch.ops.agent_mtp_blockq.avx512_forms(-1))) if kernels_available() else Wide.NONE
+
+
 def avx512_active() -> bool:
-    """Whether the kernels run their AVX-512 forms (the CPU has AVX-512 F/BW/DQ/VL and :data:`AVX512_ENV` allows it)."""
-    return kernels_available() and bool(torch.ops.agent_mtp_blockq.use_avx512(-1))
+    """Whether any kernel class runs its AVX-512 form (the CPU has AVX-512 F/BW/DQ/VL/VBMI and :data:`AVX512_ENV`
+    allows it)."""
+    return bool(avx512_forms())
 
 
-_settled: list[bool] = []
+_settled: list[Wide] = []
 _settle_lock = threading.Lock()
 
 
-def settle_avx512(measure: Callable[[], bool]) -> bool:
-    """Keep the faster kernel form for this process: ``measure()`` (True: AVX-512) decides once, the first time a
-    model large enough to time is prepared, unless :data:`AVX512_ENV` is set (then its choice stands). Returns
-    whether the AVX-512 forms serve the process."""
+def settle_avx512(measure: Callable[[], Wide]) -> Wide:
+    """Keep the faster form of each kernel class for this process: ``measure()`` (the classes whose AVX-512 form is
+    faster) decides once, the first time a model large enough to time is prepared, unless :data:`AVX512_ENV` is set
+    (then its choice stands). Returns the classes that run their AVX-512 forms."""
     with _settle_lock:
         if not _settled:
-            if kernels_available() and not os.environ.get(AVX512_ENV, "").strip():
-                torch.ops.agent_mtp_blockq.use_avx512(int(measure()))
-                log.info("Block kernels: %s forms (the faster here)", "AVX-512" if avx512_active() else "AVX2")
-            _settled.append(avx512_active())
+            if kernels_available() and pinned_forms() is None:
+                torch.ops.agent_mtp_blockq.avx512_forms(int(measure()))
+                log.info("Block kernels: AVX-512 forms for %s (the faster here)", _forms_name(avx512_forms()))
+            _settled.append(avx512_forms())
         return _settled[0]
 
 
+def _forms_name(forms: Wide) -> str:
+    return {Wide.NONE: "no class", Wide.ROWS: "the row kernels", Wide.LANES: "the lane kernels"}.get(
+        forms, "both kernel classes"
+    )
+
+
 @contextlib.contextmanager
-def avx512(enable: bool) -> Iterator[bool]:
-    """Run the kernels in their AVX-512 (``True``, where the CPU has it) or AVX2 forms inside the block, process-wide,
-    for benchmarks and tests that compare the two side by side. Yields whether AVX-512 is in use."""
+def avx512(enable: bool | Wide) -> Iterator[bool]:
+    """Run the kernels in their AVX-512 (``True``: both classes, or the classes of a :class:`Wide`, where the CPU has
+    it) or AVX2 forms inside the block, process-wide, for benchmarks and tests that compare them side by side. Yields
+    whether the requested AVX-512 forms are in use."""
     if not kernels_available():
         raise ConfigError("The block-weight kernels are not loaded in this process; there is no AVX-512 form to pick.")
-    switch = torch.ops.agent_mtp_blockq.use_avx512
-    before = bool(switch(-1))
+    wanted = enable if isinstance(enable, Wide) else (Wide.ALL if enable else Wide.NONE)
+    switch = torch.ops.agent_mtp_blockq.avx512_forms
+    before = int(switch(-1))
     try:
-        yield bool(switch(int(enable)))
+        yield int(switch(int(wanted))) == int(wanted) and bool(wanted)
     finally:
-        switch(int(before))
+        switch(before)
 
 
 @functools.cache
@@ -119,7 +176,8 @@ def kernels_available() -> bool:
     if reason is None:
         try:
             torch.ops.load_library(str(_compiled_library()))
-            torch.ops.agent_mtp_blockq.use_avx512(int(_switched_on(AVX512_ENV)))
+            pinned = pinned_forms()
+            torch.ops.agent_mtp_blockq.avx512_forms(int(Wide.ALL if pinned is None else pinned))
             return True
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             reason = f"building or loading them failed: {str(e).strip()[:500]}"
@@ -131,7 +189,8 @@ def kernel_tag() -> str:
     """A short name of the weight path passes take (part of the cost curve's cache key)."""
     if not (enabled() and kernels_available()):
         return "fp32"
-    return "blockq4-avx512" if avx512_active() else "blockq4"  # 4: attention by key chunks
+    forms = avx512_forms()  # 5: AVX-512 forms chosen per kernel class (4: attention by key chunks)
+    return {Wide.NONE: "blockq5", Wide.ALL: "blockq5-avx512"}.get(forms, f"blockq5-avx512{(forms.name or '').lower()}")
 
 
 def pinned_rows() -> int | None:

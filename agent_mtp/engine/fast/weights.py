@@ -164,44 +164,82 @@ def _crossover_sample(linears: Sequence[PackedLinear]) -> list[PackedLinear]:
     return chosen
 
 
-WIDE_ROWS = (1, 8)
-"""Pass sizes at which the kernels' AVX-512 and AVX2 forms are timed against each other: a one-token pass (row
-kernels) and a drafted or batched one (lane kernels)."""
+FORM_BYTES = 128 << 20
+"""Bytes of blocks (both layouts) a kernel-form measurement reads per round: past every CPU cache, as in a real pass
+(a smaller sample sat in a 32 MiB L3 and picked the form that loses on a whole pass)."""
 
 
-def measure_avx512(linears: Sequence[PackedLinear], *, rounds: int = 3) -> bool:
-    """Whether the block kernels' AVX-512 forms multiply ``linears`` faster than their AVX2 forms here, summed over
-    :data:`WIDE_ROWS` (fastest of ``rounds``, the forms alternating). Both give the same bits, so the faster form can
-    serve the whole process: 1.2-1.5x on a Sapphire-Rapids-class Xeon, not known on CPUs that split 512-bit
-    instructions in two (Zen 4). False where the CPU has no AVX-512 forms. Run it on the thread that runs passes."""
-    chosen = _crossover_sample(linears)
+def _form_sample(linears: Sequence[PackedLinear]) -> list[PackedLinear]:
+    """Block linears of every quantization kind (the Q8_0 output head beside the Q4_1 layers: their kernels differ),
+    then the others in order, up to :data:`FORM_BYTES` of blocks."""
+    blocked = [x for x in linears if x.blocks is not None]
+    firsts = {x.blocks.kind: x for x in reversed(blocked) if x.blocks is not None}
+    chosen = list(firsts.values())
+    taken = sum(_block_bytes(x) for x in chosen)
+    for linear in blocked:
+        if taken >= FORM_BYTES:
+            break
+        if all(linear is not x for x in chosen):
+            chosen.append(linear)
+            taken += _block_bytes(linear)
+    return chosen
+
+
+def _block_bytes(linear: PackedLinear) -> int:
+    blocks = linear.blocks
+    assert blocks is not None
+    return blocks.nbytes + (blocks.lanes.numel() if blocks.lanes is not None else 0)
+
+
+WIDE_ROWS = {blockq.Wide.ROWS: (1, 2, 4), blockq.Wide.LANES: (8,)}
+"""Pass sizes at which each kernel class's AVX-512 and AVX2 forms are timed against each other: one-token and short
+drafted passes (row kernels), a longer drafted or batched one (lane kernels)."""
+
+
+def measure_avx512(linears: Sequence[PackedLinear], *, rounds: int = 3) -> blockq.Wide:
+    """The kernel classes whose AVX-512 forms multiply ``linears`` faster than their AVX2 forms here, each summed over
+    its :data:`WIDE_ROWS` (fastest of ``rounds``, the forms alternating). Both give the same bits, so the faster form
+    of each class can serve the whole process: both faster by 1.2-1.5x on a Sapphire-Rapids-class Xeon; on Zen 4
+    (512-bit instructions split in two) the row kernels gain 1.15-1.4x at 2-3 rows and the lane kernels lose ~12%.
+    None where the CPU has no AVX-512 forms. Run it on the thread that runs passes."""
+    chosen = _form_sample(linears)
     with blockq.avx512(True) as wide:
         if not wide or not chosen:
-            return wide
+            return blockq.Wide.ALL if wide else blockq.Wide.NONE
     inputs = {
-        w: torch.randn(max(WIDE_ROWS), w, generator=torch.Generator().manual_seed(0))
+        w: torch.randn(max(max(s) for s in WIDE_ROWS.values()), w, generator=torch.Generator().manual_seed(0))
         for w in {x.in_features for x in chosen}
     }
 
-    def timed(wide: bool, rows: int) -> float:
-        with blockq.avx512(wide):
+    def timed(form: blockq.Wide, rows: int) -> float:
+        with blockq.avx512(form):
             start = time.perf_counter()
             for linear in chosen:
                 linear.blocks_product(inputs[linear.in_features][:rows])
             return time.perf_counter() - start
 
-    totals = dict.fromkeys((True, False), 0.0)
-    for rows in WIDE_ROWS:
-        timed(True, rows)  # warm-up
-        timed(False, rows)
-        best = dict.fromkeys((True, False), math.inf)
-        for _ in range(rounds):
-            for form in (True, False):
-                best[form] = min(best[form], timed(form, rows))
-        log.debug("kernel forms at %d rows: AVX-512 %.2f ms, AVX2 %.2f ms", rows, 1e3 * best[True], 1e3 * best[False])
-        for form in (True, False):
-            totals[form] += best[form]
-    return totals[True] <= totals[False]
+    faster = blockq.Wide.NONE
+    for kernels, sizes in WIDE_ROWS.items():
+        totals = dict.fromkeys((kernels, blockq.Wide.NONE), 0.0)
+        for rows in sizes:
+            best = dict.fromkeys(totals, math.inf)
+            for form in best:  # warm-up
+                timed(form, rows)
+            for _ in range(rounds):
+                for form in best:
+                    best[form] = min(best[form], timed(form, rows))
+            log.debug(
+                "%s at %d rows: AVX-512 %.2f ms, AVX2 %.2f ms",
+                kernels.name,
+                rows,
+                1e3 * best[kernels],
+                1e3 * best[blockq.Wide.NONE],
+            )
+            for form in best:
+                totals[form] += best[form]
+        if totals[kernels] <= totals[blockq.Wide.NONE]:
+            faster |= kernels
+    return faster
 
 
 def measure_block_rows(linears: Sequence[PackedLinear], *, rounds: int = 3) -> int:

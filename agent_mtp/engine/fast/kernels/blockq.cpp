@@ -373,9 +373,9 @@ struct Q41Lanes {
 };
 struct Q80Lanes {
   static inline __m512 weights(const uint8_t* a, const uint8_t* b, __m512 vd, __m512 /*vm*/) {
-    const __m128i both = _mm_castpd_si128(_mm_loadh_pd(
-        _mm_castsi128_pd(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(a))), reinterpret_cast<const double*>(b)));
-    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(both)), vd);
+    const __m256i qa = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(a)));
+    const __m256i qb = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b)));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_inserti64x4(_mm512_castsi256_si512(qa), qb, 1)), vd);
   }
 };
 
@@ -428,13 +428,22 @@ bool cpu_has_avx512() {
          __builtin_cpu_supports("avx512vbmi");
 }
 
-// Whether passes take the AVX-512 kernels: on where the CPU has them, switchable (tests compare both paths).
-std::atomic<bool> g_wide{cpu_has_avx512()};
+// Which kernel classes run their AVX-512 forms (bits: kWideRows, the row kernels and the multi-row attention loops
+// of short passes; kWideLanes, the lane kernels): each is measured apart, since a CPU that splits 512-bit
+// instructions in two (Zen 4) can gain on the one class and lose on the other. All on where the CPU has them.
+constexpr int64_t kWideRows = 1, kWideLanes = 2, kWideAll = kWideRows | kWideLanes;
+std::atomic<int64_t> g_wide{cpu_has_avx512() ? kWideAll : 0};
 
-// request 1: use them where the CPU has them, 0: keep AVX2, -1: leave as is. Returns whether they are in use.
-bool use_avx512(int64_t request) {
-  if (request >= 0) g_wide = request > 0 && cpu_has_avx512();
-  return g_wide;
+inline bool wide_rows_on() { return (g_wide.load(std::memory_order_relaxed) & kWideRows) != 0; }
+inline bool wide_lanes_on() { return (g_wide.load(std::memory_order_relaxed) & kWideLanes) != 0; }
+
+// request 0-3: the classes (bits above) to run in AVX-512 where the CPU has them, -1: leave as is. Returns the
+// classes in use.
+int64_t avx512_forms(int64_t request) {
+  TORCH_CHECK(request >= -1 && request <= kWideAll, "avx512_forms takes -1 (leave as is) or a mask of 0-3, got ",
+              request);
+  if (request >= 0) g_wide = cpu_has_avx512() ? request : 0;
+  return g_wide.load();
 }
 
 // y[r, e] = dot(x[r], dense[e]) for float32 rows e in [e0, e1) (a few, e.g. an adapter's low-rank factor).
@@ -520,7 +529,7 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& qs, const at::T
   const uint8_t* lw = by_lanes ? lanes->data_ptr<uint8_t>() : nullptr;
   constexpr bool q4 = L::kBytes == 4;
   using WideLanes = std::conditional_t<q4, wide::Q41Lanes, wide::Q80Lanes>;
-  const bool wide_path = g_wide.load(std::memory_order_relaxed);
+  const bool wide_path = by_lanes ? wide_lanes_on() : wide_rows_on();
   // The wide lane kernels take two groups per task (a last odd group takes the AVX2 one: the same numbers).
   const int64_t per_task = wide_path && by_lanes ? 2 : 1;
   const int64_t block_tasks = (groups + per_task - 1) / per_task;
@@ -835,7 +844,7 @@ void weighted_common(int64_t n, const float* const* p, const float* values, int6
 void attend_rows(const float* q, int64_t ldq, int64_t n, const float* keys, const float* values, int64_t first,
                  int64_t d, float scale, float* out, int64_t ldo, float* scratch) {
   const int64_t stride = first + n + 8;
-  const bool wide_rows = n > 1 && g_wide.load(std::memory_order_relaxed);
+  const bool wide_rows = n > 1 && wide_rows_on();
   float* acc = scratch + n * stride;
   ScoreMax tops[kRowsPerTask];
   for (int64_t j0 = 0; j0 < first + n; j0 += kKeyChunk) {
@@ -1085,8 +1094,9 @@ TORCH_LIBRARY(agent_mtp_blockq, m) {
       "q8_0_linear(Tensor x, Tensor qs, Tensor scale, Tensor? extra=None, Tensor(a!)? residual=None, "
       "Tensor? norm=None, float eps=1e-5, Tensor? lanes=None) -> Tensor");
   // target[r] += low[r] b_t at the rows of runs (flattened [start, stop) pairs): an adapter's delta at the mask rows
-  // whether passes take the AVX-512 kernels (the same numbers as the AVX2 ones); false where the CPU lacks them
-  m.def("use_avx512(int request=-1) -> bool", &use_avx512);
+  // which kernel classes take their AVX-512 forms (the same numbers as the AVX2 ones; bits 1: row kernels and
+  // attention, 2: lane kernels); 0 where the CPU lacks them
+  m.def("avx512_forms(int request=-1) -> int", &avx512_forms);
   m.def("low_rank_add(Tensor(a!) target, Tensor low, Tensor b_t, int[] runs) -> ()");
   // every decoder layer of a short block pass (one sequence or a batch), in place on x and the caches (see above)
   m.def(
