@@ -169,3 +169,35 @@ def test_the_scheduler_refits_pass_times_once_per_refit_period(engine: MTPEngine
         assert scheduler.pass_time_curve(CURVE) is not first
     finally:
         batched.close()
+
+
+def test_a_pass_waits_for_a_sequence_still_in_its_decode_step(engine: MTPEngine) -> None:
+    """A sequence that submits within half of the last pass's time joins the pass instead of running alone after it
+    (on 2 cores the last of 8 sequences' Python decode steps ends several ms after the first)."""
+    from agent_mtp.engine.batching import BatchScheduler
+
+    batched = BatchedEngine(engine, window_s=0.001)
+    scheduler = batched.scheduler
+    assert isinstance(scheduler, BatchScheduler)
+    try:
+        first, second = scheduler.runner(), scheduler.runner()
+        scheduler._last_pass_s = 0.4  # as if passes took 400 ms: the wait is bounded at 200 ms
+        late = 0.1  # a quarter of a pass (past 0.15 of one, the share that fragmented 8-client batches)
+        done = threading.Event()
+
+        def submit_late() -> None:
+            time.sleep(late)
+            second.forward(_ids(3, 2), 1)
+            done.set()
+
+        thread = threading.Thread(target=submit_late)
+        thread.start()
+        first.forward(_ids(4, 1), 1)
+        thread.join(timeout=30)
+        assert done.is_set()
+        stats = scheduler.stats()
+        assert (stats.passes, stats.sequences) == (1, 2)  # one pass carried both
+        first.close()
+        second.close()
+    finally:
+        batched.close()
