@@ -612,6 +612,23 @@ def test_one_noisy_loss_does_not_end_the_crossover_scan(monkeypatch: pytest.Monk
     assert weights.measure_block_rows(linears, rounds=1) == 12
 
 
+def test_kernel_form_sample_holds_every_quantization_kind(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The form measurement times the Q8_0 output head beside the Q4_1 layers (their lane kernels differ: on Zen 4
+    one form of the Q8_0 kernel ran 2x slower than the other while the Q4_1 layers' forms were even), and reads past
+    the caches when the model allows."""
+    from agent_mtp.engine.fast import weights
+    from agent_mtp.engine.fast.weights import PackedLinear
+
+    layers = _block_linears(6)
+    head = PackedLinear(q8_0(torch.randn(64, 128)), prepack=False)
+    assert head.blocks is not None and head.blocks.kind == "q8_0"
+    monkeypatch.setattr(weights, "FORM_BYTES", 1)  # the smallest budget: one linear of each kind
+    assert weights._form_sample([*layers, head]) == [layers[0], head]
+    monkeypatch.setattr(weights, "FORM_BYTES", 1 << 40)  # more than the model: all of it
+    sample = weights._form_sample([*layers, head])
+    assert len(sample) == 7 and all(any(x is y for y in sample) for x in [*layers, head])
+
+
 @pytest.mark.parametrize("faster", FORMS)
 def test_kernel_form_measurement_keeps_the_faster_form_per_class(monkeypatch: pytest.MonkeyPatch, faster: Any) -> None:
     """Each kernel class keeps its AVX-512 form where that multiplies faster than its AVX2 form, and drops it where

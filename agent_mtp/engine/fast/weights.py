@@ -173,7 +173,10 @@ def _form_sample(linears: Sequence[PackedLinear]) -> list[PackedLinear]:
     """Block linears of every quantization kind (the Q8_0 output head beside the Q4_1 layers: their kernels differ),
     then the others in order, up to :data:`FORM_BYTES` of blocks."""
     blocked = [x for x in linears if x.blocks is not None]
-    firsts = {x.blocks.kind: x for x in reversed(blocked) if x.blocks is not None}
+    firsts: dict[str, PackedLinear] = {}
+    for linear in blocked:
+        assert linear.blocks is not None
+        firsts.setdefault(linear.blocks.kind, linear)
     chosen = list(firsts.values())
     taken = sum(_block_bytes(x) for x in chosen)
     for linear in blocked:
