@@ -632,7 +632,7 @@ def test_kernel_form_sample_holds_every_quantization_kind(monkeypatch: pytest.Mo
 @pytest.mark.parametrize("faster", FORMS)
 def test_kernel_form_measurement_keeps_the_faster_form_per_class(monkeypatch: pytest.MonkeyPatch, faster: Any) -> None:
     """Each kernel class keeps its AVX-512 form where that multiplies faster than its AVX2 form, and drops it where
-    it does not (as on Zen 4, whose lane kernels lose in AVX-512 while its row kernels gain)."""
+    it does not (as Zen 4's lane kernels did while its row kernels gained, before the Q8_0 lane kernel was fixed)."""
     import time
 
     from agent_mtp.engine.fast import weights

@@ -64,8 +64,8 @@ AVX512_ENV = "AGENT_MTP_AVX512"
 """Set to 0 to keep the AVX2 kernels on a CPU with AVX-512, to 1 to use the AVX-512 forms of both kernel classes
 without timing them, to ``rows`` or ``lanes`` for one class only (unset: each class's faster form is measured once
 per process on the first large model, :func:`settle_avx512`). The numbers are the same bits either way; the AVX-512
-forms rebuild twice the weights per instruction: 1.2-1.5x faster per product on a Sapphire-Rapids-class Xeon, and on
-Zen 4 faster for the row kernels but slower for the lane kernels."""
+forms rebuild twice the weights per instruction: 1.2-1.5x faster per product on a Sapphire-Rapids-class Xeon, 1.0-1.2x
+on Zen 4 (which splits 512-bit instructions in two)."""
 
 
 class Wide(enum.IntFlag):

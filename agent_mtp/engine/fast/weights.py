@@ -203,8 +203,9 @@ def measure_avx512(linears: Sequence[PackedLinear], *, rounds: int = 3) -> block
     """The kernel classes whose AVX-512 forms multiply ``linears`` faster than their AVX2 forms here, each summed over
     its :data:`WIDE_ROWS` (fastest of ``rounds``, the forms alternating). Both give the same bits, so the faster form
     of each class can serve the whole process: both faster by 1.2-1.5x on a Sapphire-Rapids-class Xeon; on Zen 4
-    (512-bit instructions split in two) the row kernels gain 1.15-1.4x at 2-3 rows and the lane kernels lose ~12%.
-    None where the CPU has no AVX-512 forms. Run it on the thread that runs passes."""
+    (512-bit instructions split in two) the row kernels gain up to 1.1x at 2-3 rows and the lane kernels 4-10%, and
+    before its Q8_0 lane kernel was fixed that class lost 15% there. None where the CPU has no AVX-512 forms. Run it
+    on the thread that runs passes."""
     chosen = _form_sample(linears)
     with blockq.avx512(True) as wide:
         if not wide or not chosen:

@@ -430,7 +430,8 @@ bool cpu_has_avx512() {
 
 // Which kernel classes run their AVX-512 forms (bits: kWideRows, the row kernels and the multi-row attention loops
 // of short passes; kWideLanes, the lane kernels): each is measured apart, since a CPU that splits 512-bit
-// instructions in two (Zen 4) can gain on the one class and lose on the other. All on where the CPU has them.
+// instructions in two can gain on one class and lose on the other (Zen 4 did until the Q8_0 lane kernel below was
+// fixed). All on where the CPU has them.
 constexpr int64_t kWideRows = 1, kWideLanes = 2, kWideAll = kWideRows | kWideLanes;
 std::atomic<int64_t> g_wide{cpu_has_avx512() ? kWideAll : 0};
 
