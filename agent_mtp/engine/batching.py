@@ -45,8 +45,8 @@ STRAGGLER_SHARE = 0.5
 """A pass waits for missing sequences up to this share of the last pass's time (at least ``window_s``). Between two
 passes every active sequence runs its decode step in Python, one at a time under the GIL, while the server streams
 the last tokens: with 8 clients on 2 cores the last of them submits several ms after the first. At 0.15 of a pass
-(~4 ms) only 42% of the passes with 8 active sequences carried all 8, the stragglers ran in small passes of their
-own, and 8-client NTP made 255-267 tokens/s; at 0.5, 90% and 278-282 (`agent-mtp loadtest`, 2 runs each,
+(~4 ms) only 51% of the passes with 8 active sequences carried all 8, the stragglers ran in small passes of their
+own, and 8-client NTP made 255-267 tokens/s; at 0.5, 98% and 278-282 (`agent-mtp loadtest`, 2 runs each,
 alternated). A sequence that misses a pass waits a whole pass; waiting for it costs the others a fraction of one."""
 REFIT_EVERY = 16
 """The pass-time curve is refitted to the measured table at most once per this many passes (one fit serves every
