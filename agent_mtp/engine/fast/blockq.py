@@ -79,16 +79,11 @@ class Wide(enum.IntFlag):
     ALL = 3
 
 
+_OFF_WORDS = frozenset({"0", "false", "no", "off"})
+"""Values that switch an environment setting off (any other value of a switch leaves it on)."""
 _PINNED_FORMS = {
-    "0": Wide.NONE,
-    "false": Wide.NONE,
-    "no": Wide.NONE,
-    "off": Wide.NONE,
-    "1": Wide.ALL,
-    "true": Wide.ALL,
-    "yes": Wide.ALL,
-    "on": Wide.ALL,
-    "all": Wide.ALL,
+    **dict.fromkeys(_OFF_WORDS, Wide.NONE),
+    **dict.fromkeys(("1", "true", "yes", "on", "all"), Wide.ALL),
     "rows": Wide.ROWS,
     "lanes": Wide.LANES,
 }
@@ -112,7 +107,7 @@ _FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-fPIC", "-
 
 
 def _switched_on(name: str) -> bool:
-    return os.environ.get(name, "1").strip().lower() not in {"0", "false", "no", "off"}
+    return os.environ.get(name, "1").strip().lower() not in _OFF_WORDS
 
 
 def enabled() -> bool:
