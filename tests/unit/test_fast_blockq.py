@@ -147,6 +147,17 @@ def test_rms_norm_inside_the_kernel_matches_torch() -> None:
     torch.testing.assert_close(blocks(x, norm=(gain, 1e-6)), expected, atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [2, 7])  # row and lane kernels
+def test_rms_norm_reaches_the_float32_exception_rows(rows: int) -> None:
+    """A row that is not block-structured is computed beside the kernel: it must multiply the normalised input too."""
+    weight = torch.cat([q4_1(torch.randn(79, 96)), torch.randn(1, 96)])  # one exception row, padded to 80
+    blocks = blockq.block_weights(weight)
+    assert blocks is not None and blocks.kind == "q4_1" and blocks.exception_rows is not None
+    x, gain = torch.randn(rows, 96) * 4, torch.randn(96)
+    expected = F.linear(F.rms_norm(x, (96,), gain, 1e-6), weight)
+    torch.testing.assert_close(blocks(x, norm=(gain, 1e-6)), expected, atol=2e-5, rtol=1e-5)
+
+
 def test_weights_that_are_not_blocks_stay_float32() -> None:
     assert blockq.block_weights(torch.randn(16, 64)) is None
     assert blockq.block_weights(q4_1(torch.randn(16, 64)).to(torch.bfloat16)) is None

@@ -354,7 +354,8 @@ class BlockWeights:
         if padded != self.out_features:
             y = y[:, : self.out_features] if extra is None else torch.cat([y[:, : self.out_features], y[:, padded:]], 1)
         if self.exception_rows is not None and self.exception_weight is not None:
-            y[:, self.exception_rows] = torch.nn.functional.linear(x, self.exception_weight)
+            rows_in = x if norm is None else torch.nn.functional.rms_norm(x, (x.shape[-1],), norm[0], norm[1])
+            y[:, self.exception_rows] = torch.nn.functional.linear(rows_in, self.exception_weight)
         return y  # type: ignore[no-any-return]
 
 
