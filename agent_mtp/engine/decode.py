@@ -188,11 +188,24 @@ def _grammar_draft(constraint: TokenConstraint, max_len: int) -> Draft | None:
     return Draft(tuple(tokens), "grammar", float(len(tokens)), certain)
 
 
+def _masked_logits(row: torch.Tensor, constraint: TokenConstraint | None) -> torch.Tensor:
+    if constraint is None:
+        return row
+    allowed = constraint.allowed_mask(row.shape[-1]).to(row.device)
+    return row.masked_fill(~allowed, float("-inf"))
+
+
 def _masked_probs(row: torch.Tensor, cfg: DecodeConfig, constraint: TokenConstraint | None) -> torch.Tensor:
-    if constraint is not None:
-        allowed = constraint.allowed_mask(row.shape[-1]).to(row.device)
-        row = row.masked_fill(~allowed, float("-inf"))
-    return probabilities(row, cfg.temperature, cfg.top_p)
+    return probabilities(_masked_logits(row, constraint), cfg.temperature, cfg.top_p)
+
+
+def _choose(logits: torch.Tensor, cfg: DecodeConfig, generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row of (masked) ``logits`` [n, V]: greedy takes the argmax of the logits themselves, as HF
+    ``generate`` does (a softmax can round two different logits to one probability, and its argmax then takes the
+    lower id); sampling draws from the tempered, nucleus-filtered distribution."""
+    if cfg.temperature <= 0:
+        return logits.argmax(-1)
+    return pick(probabilities(logits, cfg.temperature, cfg.top_p), cfg.temperature, generator)
 
 
 def _propose_and_accept(
@@ -203,20 +216,20 @@ def _propose_and_accept(
     generator: torch.Generator | None,
 ) -> _PassResult:
     """static / confadapt / ntp: token 1 from the last real position, tokens 2..k from the masks."""
-    first_probs = _masked_probs(logits[0], cfg, constraint)  # [V]
-    first = int(pick(first_probs[None], cfg.temperature, generator)[0])
+    first_logits = _masked_logits(logits[0], constraint)  # [V]
+    first = int(_choose(first_logits[None], cfg, generator)[0])
     if constraint is not None:
         constraint.accept(first)
     if masks == 0:
         return _PassResult([first], "ntp")
-    rest_probs = probabilities(logits[1:], cfg.temperature, cfg.top_p)  # [masks, V]
-    rest = pick(rest_probs, cfg.temperature, generator).tolist()
+    rest = _choose(logits[1:], cfg, generator).tolist()  # [masks]
     valid = _grammar_prefix(rest, constraint)
     if cfg.mode == "static":
         accepted = 1 + valid
     else:
-        top1 = torch.cat([first_probs.max()[None], rest_probs.max(-1).values])  # [1 + masks]
-        accepted = min(confadapt_accept_length(top1, cfg.threshold), 1 + valid)
+        first_top = probabilities(first_logits, cfg.temperature, cfg.top_p).max()[None]
+        rest_top = probabilities(logits[1:], cfg.temperature, cfg.top_p).max(-1).values  # [masks]
+        accepted = min(confadapt_accept_length(torch.cat([first_top, rest_top]), cfg.threshold), 1 + valid)
     if constraint is not None and valid > accepted - 1:
         constraint.rollback(valid - (accepted - 1))
     return _PassResult([first, *rest[: accepted - 1]], "mtp", masks, accepted - 1)
@@ -247,11 +260,10 @@ def _verify(
     accepted: list[int] = []
     correction: int | None = None
     for j, proposed in enumerate(tokens):
-        probs = _masked_probs(logits[j], cfg, constraint)
         if cfg.temperature > 0:
-            ok, token = accept_or_resample(probs, proposed, generator)
+            ok, token = accept_or_resample(_masked_probs(logits[j], cfg, constraint), proposed, generator)
         else:
-            token = int(probs.argmax())
+            token = int(_masked_logits(logits[j], constraint).argmax())  # from the logits, as HF generate
             ok = token == proposed
         if constraint is not None:
             constraint.accept(token)
@@ -263,8 +275,7 @@ def _verify(
             correction = -1
             break
     if correction is None:
-        probs = _masked_probs(logits[len(tokens)], cfg, constraint)
-        correction = int(pick(probs[None], cfg.temperature, generator)[0])
+        correction = int(_choose(_masked_logits(logits[len(tokens)], constraint)[None], cfg, generator)[0])
         if constraint is not None:
             constraint.accept(correction)
         _offer_mtp_draft(state, logits[len(tokens) + 1 : len(tokens) + 1 + masks], cfg, constraint)
@@ -286,13 +297,12 @@ def _offer_mtp_draft(
     if "mtp" not in cfg.drafts or mask_logits.shape[0] == 0:
         state.mtp.offer([], [])
         return
-    probs = probabilities(mask_logits, 0.0, 1.0)  # [masks, V]: drafts are greedy; verification keeps exactness
-    top = probs.max(-1)
-    tokens = top.indices.tolist()
+    tokens = mask_logits.argmax(-1).tolist()  # [masks]: drafts are greedy; verification keeps exactness
     valid = _grammar_prefix(tokens, constraint)
     if constraint is not None and valid:
         constraint.rollback(valid)
-    state.mtp.offer(tokens[:valid], top.values[:valid].tolist())
+    confidences = probabilities(mask_logits[:valid], 0.0, 1.0).max(-1).values.tolist() if valid else []
+    state.mtp.offer(tokens[:valid], confidences)
 
 
 def _record_draft(stats: DecodeStats, draft: Draft, accepted: int) -> None:

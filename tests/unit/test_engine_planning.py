@@ -211,3 +211,34 @@ def test_grammar_drafts_have_their_own_acceptance_rate():
     assert before < rates.grammar < before + 0.1 + 1e-9
     planner.observe(Plan(Draft((7, 8), "grammar", 2.0, (1.0, 1.0)), 0), 2, 2)
     assert rates.grammar == pytest.approx(0.9 * before + 0.1)
+
+
+def _softmax_tie(width: int, low: int, high: int) -> torch.Tensor:
+    """Logits whose top two ids differ by 1e-8: their softmax probabilities round to one value."""
+    row = torch.full((width,), -30.0)
+    row[low], row[high] = 0.0, 1e-8
+    probs = torch.softmax(row, -1)
+    assert probs[low] == probs[high] and int(probs.argmax()) == low  # the tie the softmax makes
+    return row
+
+
+def test_greedy_tokens_come_from_the_logits_as_hf_generate_takes_them() -> None:
+    """A softmax can round two different logits to one probability; greedy decoding (every mode, every position)
+    must still pick the larger logit, as HF ``generate`` does, or ``ntp`` would not equal it."""
+    from agent_mtp.engine.config import DecodeConfig
+    from agent_mtp.engine.decode import _propose_and_accept, _State, _verify
+    from agent_mtp.engine.results import DecodeStats
+
+    tie = _softmax_tie(16, low=3, high=9)
+    ntp = _propose_and_accept(tie[None], 0, DecodeConfig(mode="ntp"), None, None)
+    assert ntp.new_tokens == [9]
+    block = torch.stack([tie, tie, tie])
+    static = _propose_and_accept(block, 2, DecodeConfig(mode="static", k_max=3), None, None)
+    assert static.new_tokens == [9, 9, 9]
+    cfg = DecodeConfig(mode="verified", k_max=3)
+    state = _State(pending=[1], context=[1])
+    draft = Draft((9,), "ngram", 1.0)
+    verified = _verify(block, draft, 1, state, cfg, None, None, DecodeStats(mode="verified"))
+    assert verified.new_tokens == [9, 9] and verified.accepted_beyond_first == 1
+    mask_draft = state.mtp.propose([], 4)
+    assert mask_draft is not None and mask_draft.tokens == (9,)  # the mask's prediction, the next pass's draft
