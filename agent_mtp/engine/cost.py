@@ -7,6 +7,7 @@ the planner (:mod:`agent_mtp.engine.planner`) reads this curve.
 from __future__ import annotations
 
 import bisect
+import functools
 import json
 import time
 from collections.abc import Callable
@@ -26,9 +27,16 @@ class CostCurve:
         if not self.points or self.points[0][0] != 1:
             raise ValueError("A cost curve needs a point at n=1.")
 
+    @functools.cached_property
+    def _xs(self) -> list[int]:
+        return [p[0] for p in self.points]
+
+    @functools.cached_property
+    def _ys(self) -> list[float]:
+        return [p[1] for p in self.points]
+
     def cost(self, n: int) -> float:
-        xs = [p[0] for p in self.points]
-        ys = [p[1] for p in self.points]
+        xs, ys = self._xs, self._ys  # read once per curve: the planner asks for tens of sizes per pass
         if n <= xs[0]:
             return ys[0]
         if n >= xs[-1]:  # extrapolate linearly from the last segment

@@ -18,7 +18,7 @@ from agent_mtp.engine.constraints import TokenConstraint
 from agent_mtp.engine.cost import CURVE_POINTS, CostCurve, load_or_measure, measure_cost_curve
 from agent_mtp.engine.decode import DecodeSetup, decode
 from agent_mtp.engine.fast import FastModel, FastRunner, blockq, unsupported_reason
-from agent_mtp.engine.fast.model import source_signature
+from agent_mtp.engine.fast.model import SourceSignature
 from agent_mtp.engine.loading import DEFAULT_MODEL_ALIASES, LoadedModel, cache_root, load_model, prefix_cache_mb
 from agent_mtp.engine.planner import Planner, needs_cost_curve
 from agent_mtp.engine.prefix_cache import PrefixCache
@@ -94,6 +94,8 @@ class MTPEngine:
         """Fast runtime: short passes read weights that are exactly GGUF quantization blocks (the default model's)
         as blocks (:mod:`agent_mtp.engine.fast.blockq`); False keeps the float32 GEMM for every pass."""
         self._fast: FastModel | None = None
+        self._signature = SourceSignature(self.model)
+        """The model's weight signature: the fast model and the prefix cache are reused while it holds."""
         budget = prefix_cache_mb_setting(prefix_cache_mb)
         self.prefix_cache = PrefixCache(int(budget * 2**20))
         """Keys and values of earlier generations, reused by requests that share a prefix with them."""
@@ -253,7 +255,7 @@ class MTPEngine:
 
     def _restore_prefix(self, runner: PrefixRunner, ids: list[int]) -> None:
         """Load the longest cached prefix of ``ids`` (all but the last token: its logits start decoding)."""
-        self.prefix_cache.bind(source_signature(self.model))
+        self.prefix_cache.bind(self._signature())
         match = self.prefix_cache.match(ids, limit=len(ids) - 1)
         if match.length:
             runner.load(ids[: match.length], match.segments)
@@ -304,7 +306,7 @@ class MTPEngine:
     def _fast_model(self) -> FastModel:
         """The fast runtime's model, prepared on first use and again when a weight it copied changed in place."""
         with self._lock:
-            if self._fast is None or self._fast.signature != source_signature(self.model):
+            if self._fast is None or self._fast.signature != self._signature():
                 log.info("Preparing the fast runtime for %s", self.model_id)
                 self._fast = compute().run(
                     FastModel.from_hf, self.model, mask_token_id=self.mask_token_id, blocks=self.block_weights

@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -179,24 +180,37 @@ class Planner:
         assert self.curve is not None, "cost-aware verification needs a cost curve"
         self._passes += 1
         cost = functools.cache(self.curve.cost)  # the options below ask for the same few sizes many times
-        best: tuple[float, Draft | None, int] = (-1.0, None, 0)
-        options: list[tuple[Draft | None, list[float]]] = [(None, [])]
+        most_masks = max(self.k_cap - 1, 0)
+        longest = max((min(len(c.tokens), room) for c in candidates), default=0)
+        costs = [cost(pending + i) for i in range(longest + max(min(most_masks, room), 0) + 1)]  # [pending + i]
+        # A pass costs at least as much with more rows (every curve the engine builds): then, for one draft option,
+        # once even its largest value over this pass's cost cannot beat the best, no more masks can.
+        prune = all(a <= b for a, b in itertools.pairwise(costs))
+        gain = [0.0, *_cumulative(self.rates.positions)]  # gain[m]: expected MTP draft tokens from m masks
+        best = -1.0
+        chosen: tuple[Draft | None, int, int] = (None, 0, 0)  # (candidate, draft length, masks)
+        options: list[tuple[Draft | None, int, float, float]] = [(None, 0, 0.0, 1.0)]  # + expected, P(all)
         for candidate in candidates:
-            probs = self.rates.draft_probs(candidate)
-            for length in range(1, min(len(candidate.tokens), room) + 1):
-                options.append((_prefix(candidate, length), probs[:length]))
-        mask_gain = _cumulative(self.rates.positions)
-        for option, probs in options:
-            expected, p_all = _expected(probs)
-            length = len(option.tokens) if option else 0
-            for masks in range(0, max(min(self.k_cap - 1, room - length), 0) + 1):
-                future = p_all * (mask_gain[masks - 1] if masks else 0.0) * FUTURE_CREDIT
-                score = (1.0 + expected + future) / cost(pending + length + masks)
-                if score > best[0] + 1e-12:
-                    best = (score, option, masks)
-        _, draft, masks = best
+            expected, run = 0.0, 1.0  # as _expected() of each prefix, built one token at a time
+            for length, p in enumerate(self.rates.draft_probs(candidate)[: min(len(candidate.tokens), room)], 1):
+                run *= p
+                expected += run
+                options.append((candidate, length, expected, run))
+        for option, length, expected, p_all in options:
+            top_masks = max(min(most_masks, room - length), 0)
+            ceiling = 1.0 + expected + p_all * gain[top_masks] * FUTURE_CREDIT
+            for masks in range(top_masks + 1):
+                here = costs[length + masks]
+                if prune and ceiling / here <= best + 1e-12:
+                    break
+                future = p_all * gain[masks] * FUTURE_CREDIT
+                score = (1.0 + expected + future) / here
+                if score > best + 1e-12:
+                    best, chosen = score, (option, length, masks)
+        winner, length, masks = chosen
+        draft = _prefix(winner, length) if winner is not None else None
         if self.explore_every and self._passes % self.explore_every == 0 and masks == 0:
-            masks = self._explore_masks(pending, len(draft.tokens) if draft else 0, room, cost)
+            masks = self._explore_masks(pending, length, room, cost)
         return Plan(draft, masks)
 
     def _explore_masks(self, pending: int, length: int, room: int, cost: Callable[[int], float]) -> int:

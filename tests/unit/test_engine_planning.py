@@ -242,3 +242,60 @@ def test_greedy_tokens_come_from_the_logits_as_hf_generate_takes_them() -> None:
     assert verified.new_tokens == [9, 9] and verified.accepted_beyond_first == 1
     mask_draft = state.mtp.propose([], 4)
     assert mask_draft is not None and mask_draft.tokens == (9,)  # the mask's prediction, the next pass's draft
+
+
+def _brute_force_plan(planner: Planner, pending: int, drafts: list[Draft], room: int) -> tuple[int, tuple[int, ...]]:
+    """Every (draft prefix, masks) option scored as the planner's docstring says, best first in option order."""
+    from agent_mtp.engine.planner import FUTURE_CREDIT
+
+    assert planner.curve is not None
+    options: list[tuple[tuple[int, ...], list[float]]] = [((), [])]
+    for draft in drafts:
+        probs = planner.rates.draft_probs(draft)
+        options += [(draft.tokens[:n], probs[:n]) for n in range(1, min(len(draft.tokens), room) + 1)]
+    gains, total, run = [], 0.0, 1.0
+    for rate in planner.rates.positions:
+        run *= rate
+        total += run
+        gains.append(total)
+    best: tuple[float, tuple[int, ...], int] = (-1.0, (), 0)
+    for tokens, probs in options:
+        expected, p_all = 0.0, 1.0
+        for p in probs:
+            p_all *= p
+            expected += p_all
+        for masks in range(max(min(planner.k_cap - 1, room - len(tokens)), 0) + 1):
+            future = p_all * (gains[masks - 1] if masks else 0.0) * FUTURE_CREDIT
+            score = (1.0 + expected + future) / planner.curve.cost(pending + len(tokens) + masks)
+            if score > best[0] + 1e-12:
+                best = (score, tokens, masks)
+    return best[2], best[1]
+
+
+def test_verified_planning_picks_what_scoring_every_option_picks() -> None:
+    """The planner skips options that cannot win (it runs every pass, under the GIL beside other sequences'
+    decode steps); what it picks must be what scoring every draft prefix and mask count picks."""
+    import random
+
+    rng = random.Random(7)
+    for _ in range(400):
+        points, cost = [(1, 1.0)], 1.0
+        for n in (2, 4, 8, 16, 32):
+            cost += rng.uniform(0.0, 0.4) * (n - points[-1][0])
+            points.append((n, cost))
+        k_cap = rng.choice([2, 4, 8, 16])
+        planner = verify_planner(CostCurve(tuple(points)), k_cap, [rng.random() for _ in range(k_cap - 1)])
+        planner.rates.ngram, planner.rates.ngram_short = rng.random(), rng.random()
+        drafts = []
+        for source in rng.sample(["mtp", "ngram", "grammar"], rng.randint(0, 3)):
+            length = rng.randint(1, 10)
+            tokens = tuple(rng.randrange(100) for _ in range(length))
+            if source == "ngram":
+                drafts.append(Draft(tokens, source, 1.0, match=rng.randint(1, 3)))
+            else:
+                confidences = tuple(rng.choice([1.0, rng.random()]) for _ in range(length))
+                drafts.append(Draft(tokens, source, 1.0, confidences))
+        pending, room = rng.randint(1, 4), rng.randint(0, 24)
+        masks, tokens = _brute_force_plan(planner, pending, drafts, room)
+        plan = planner.plan(pending, drafts, room + 1)
+        assert (plan.masks, tuple(plan.draft_tokens)) == (masks, tokens)

@@ -286,3 +286,24 @@ def test_weights_oneDNN_cannot_pack_run_unpacked_with_a_warning(
     x = torch.randn(3, 4)
     torch.testing.assert_close(linear(x), x @ w.T)
     assert "cannot pre-pack torch.float32 weights" in caplog.text and "avx_ne_convert" in caplog.text
+
+
+def test_the_cached_weight_signature_equals_a_full_walk_and_follows_the_adapter() -> None:
+    """The engine's signature lists the parameters once per adapter; it must read what a full walk reads, see
+    in-place updates, and list again when an adapter is detached or attached (modules are swapped)."""
+    from agent_mtp.engine.fast.model import SourceSignature, source_signature
+
+    engine = tiny_engine(adapter=True)
+    assert engine.adapter is not None
+    watch = SourceSignature(engine.model)
+    first = watch()
+    assert first == source_signature(engine.model)
+    with torch.no_grad():
+        next(iter(engine.model.parameters())).add_(0.0)
+    assert watch() != first and watch() == source_signature(engine.model)
+    with engine.adapter.disabled():
+        assert watch() == source_signature(engine.model)
+    engine.adapter.detach(engine.model)
+    assert watch() == source_signature(engine.model) and watch()[0] == id(None)
+    engine.adapter.attach(engine.model, engine.mask_token_id)
+    assert watch() == source_signature(engine.model) and watch()[0] == id(engine.adapter)
