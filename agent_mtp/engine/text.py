@@ -11,6 +11,10 @@ class TextTracker:
     Held back until more tokens arrive: a trailing incomplete UTF-8 character (U+FFFD) and any suffix that could
     be the start of a stop string. When a stop string appears, the text is cut before it and the token ids are cut
     after the token that completed it.
+
+    Each pass decodes only a window of tokens (from the last settled boundary), as streaming detokenizers do, so a
+    pass costs the same at token 10 and at token 1000 (a whole-output decode took ~0.1 ms per pass at 512 tokens):
+    the text is the settled text plus what the window adds to the text of its settled head.
     """
 
     def __init__(self, tokenizer: Any, stop: tuple[str, ...]) -> None:
@@ -21,6 +25,13 @@ class TextTracker:
         self.text = ""
         self.emitted = 0
         self.stopped = False
+        self._settled = ""
+        """The text of ids[:_read], final (it ended on a whole character)."""
+        self._base = 0
+        """Where the decoded window starts (the previous settled boundary: context for the tokens after it)."""
+        self._read = 0
+        self._head = ""
+        """The text of ids[_base:_read] alone."""
 
     def decode(self, ids: list[int]) -> str:
         return str(self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False))
@@ -30,7 +41,7 @@ class TextTracker:
         previous_len = len(self.text)
         start_ids = len(self.ids)
         self.ids += new_ids
-        self.text = self.decode(self.ids)
+        self._update_text()
         if self.stop:
             hit = self._find_stop(max(0, previous_len - self.max_stop))
             if hit is not None:
@@ -40,6 +51,17 @@ class TextTracker:
                 self.text = self.text[:hit]
                 return self._flush_to(len(self.text)), kept
         return self._flush_to(self._safe_length()), len(new_ids)
+
+    def _update_text(self) -> None:
+        window = self.decode(self.ids[self._base :])
+        if window.startswith(self._head):
+            self.text = self._settled + window[len(self._head) :]
+        else:  # a tokenizer whose window text is not its head's plus more: decode everything (rare)
+            self.text = self.decode(self.ids)
+        if not self.text.endswith("\ufffd"):  # a whole character: settle, the next window starts here
+            self._settled = self.text
+            self._base, self._read = self._read, len(self.ids)
+            self._head = self.decode(self.ids[self._base : self._read])
 
     def finish(self) -> str:
         """Everything not yet emitted (call once at the end)."""
