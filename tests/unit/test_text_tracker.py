@@ -34,11 +34,15 @@ def _feed(tracker: TextTracker, ids: list[int], rng: random.Random) -> tuple[str
     return "".join(streamed), kept
 
 
-@pytest.mark.parametrize("text", TEXTS)
-def test_streamed_text_equals_the_whole_decode(text: str) -> None:
+def _encoded(text: str) -> tuple[object, list[int], str]:
     tok = tiny_tokenizer()
     ids = tok.encode(text, add_special_tokens=False)
-    whole = _decode(tok, ids)
+    return tok, ids, _decode(tok, ids)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_streamed_text_equals_the_whole_decode(text: str) -> None:
+    tok, ids, whole = _encoded(text)
     rng = random.Random(0)
     for _ in range(20):
         tracker = TextTracker(tok, ())
@@ -49,9 +53,7 @@ def test_streamed_text_equals_the_whole_decode(text: str) -> None:
 
 @pytest.mark.parametrize("text", TEXTS)
 def test_stop_strings_cut_the_text_and_the_ids_as_a_whole_decode_would(text: str) -> None:
-    tok = tiny_tokenizer()
-    ids = tok.encode(text, add_special_tokens=False)
-    whole = _decode(tok, ids)
+    tok, ids, whole = _encoded(text)
     rng = random.Random(1)
     for start in range(2, len(whole) - 4, max(1, len(whole) // 9)):
         stop = whole[start : start + rng.randint(1, 4)]
