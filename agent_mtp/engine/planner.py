@@ -191,7 +191,7 @@ class Planner:
         chosen: tuple[Draft | None, int, int] = (None, 0, 0)  # (candidate, draft length, masks)
         options: list[tuple[Draft | None, int, float, float]] = [(None, 0, 0.0, 1.0)]  # + expected, P(all)
         for candidate in candidates:
-            expected, run = 0.0, 1.0  # as _expected() of each prefix, built one token at a time
+            expected, run = 0.0, 1.0  # E[accepted] and P(all accepted) of each prefix, one token at a time
             for length, p in enumerate(self.rates.draft_probs(candidate)[: min(len(candidate.tokens), room)], 1):
                 run *= p
                 expected += run
@@ -230,14 +230,6 @@ class Planner:
 def needs_cost_curve(cfg: DecodeConfig) -> bool:
     """True when the planner of ``cfg`` reads the cost curve (so an engine measures it only then)."""
     return (cfg.k_max == "auto" and cfg.mode != "ntp") or (cfg.mode == "verified" and cfg.cost_aware)
-
-
-def _expected(probs: list[float]) -> tuple[float, float]:
-    expected, run = 0.0, 1.0
-    for p in probs:
-        run *= p
-        expected += run
-    return expected, run
 
 
 def _cumulative(rates: list[float]) -> list[float]:

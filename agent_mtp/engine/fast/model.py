@@ -138,7 +138,7 @@ def source_signature(model: Any) -> tuple[int, ...]:
 
 class SourceSignature:
     """:func:`source_signature` of one model, without walking its module tree on every call (a walk of the default
-    model's ~400 modules took ~3 ms; engines ask twice per request, on the compute thread): the parameters are
+    model's ~400 modules took ~2 ms; engines ask twice per request, on the compute thread): the parameters are
     listed again only when the attached adapter changes (attaching or detaching one swaps modules); their versions
     are read on every call. Replacing a module or parameter of the model by other means is not seen."""
 
