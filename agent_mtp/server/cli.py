@@ -154,6 +154,13 @@ def loadtest(
         ),
     ] = 30.0,
     max_tokens: Annotated[int | None, typer.Option(help="Cap on each prompt's own max_tokens.")] = None,
+    rounds: Annotated[
+        int,
+        typer.Option(
+            help="Run the whole sweep this many times, interleaved; figures pooled, ratios to NTP with their "
+            "spread over the rounds."
+        ),
+    ] = 1,
     threads: Annotated[int | None, typer.Option(help="torch threads of the server started here.")] = None,
     out_dir: Annotated[Path, typer.Option("--out", help="Directory for JSON, Markdown and PNG.")] = Path(
         "runs/loadtest"
@@ -163,6 +170,10 @@ def loadtest(
     ConfAdapt: aggregate tokens/s, P50/P95 latency, TTFT, error and timeout ratio; a table and a plot."""
     from agent_mtp.server.loadtest import LoadtestConfig, run_loadtest
 
+    if duration < 0:
+        raise typer.BadParameter(f"--duration {duration} is invalid; use seconds > 0, or 0 for a request count.")
+    if rounds < 1:
+        raise typer.BadParameter(f"--rounds {rounds} is invalid; use a whole number of sweeps >= 1.")
     config = LoadtestConfig(
         clients=tuple(int(c) for c in clients.split(",") if c.strip()),
         policies=tuple(p.strip() for p in policies.split(",") if p.strip()),
@@ -170,7 +181,6 @@ def loadtest(
         requests_per_client=requests_per_client,
         max_tokens=max_tokens,
         duration_s=duration if duration > 0 else None,
+        rounds=rounds,
     )
-    if duration < 0:
-        raise typer.BadParameter(f"--duration {duration} is invalid; use seconds > 0, or 0 for a request count.")
     run_loadtest(config, base_url=base_url, threads=threads, out_dir=out_dir)

@@ -5,7 +5,10 @@ policies), the clients send the agent suites' prompts (tool calls, reasoning, fo
 tools, tool choice and answer schemas) as streaming chat completions, each client one request after the other.
 Variants are interleaved per level, so machine drift hits them alike. Reported per cell: aggregate tokens/s (every
 completion token of the cell / the cell's wall time), per-request P50/P95 latency, P50 TTFT, error and timeout
-ratios, the share of tool-call prompts whose call parsed, and the ratios the issue's targets name.
+ratios, the share of tool-call prompts whose call parsed, and the ratios the issue's targets name. With ``rounds``
+above one the whole sweep runs that many times, the figures are pooled over the rounds and each ratio to NTP also
+comes as its spread over the rounds (one round's two cells ran minutes apart at most): on a 2-core machine the same
+code's ratio swung 0.89-1.10x between 30 s cells, so one pair of cells cannot show a change of a few percent.
 
 Without ``--base-url`` a server is started here in a subprocess (``agent-mtp serve --policy none``) and stopped at
 the end; the variants are per-request ``agent_mtp`` options.
@@ -32,6 +35,7 @@ import httpx
 
 from agent_mtp.bench.suites import BenchPrompt, load_suite
 from agent_mtp.cli_common import console, out
+from agent_mtp.errors import ConfigError
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "ntp": {"mode": "ntp"},
@@ -57,6 +61,12 @@ class LoadtestConfig:
     streamed inside the window (a request still running at its end finishes, its later tokens are not counted).
     None: each client sends ``requests_per_client`` requests and the cell lasts until the last one ends (the
     tail then runs with fewer clients than the cell's level)."""
+    rounds: int = 1
+    """How many times the whole sweep (every level, every variant) runs; the report pools them."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.rounds, bool) or not isinstance(self.rounds, int) or self.rounds < 1:
+            raise ConfigError(f"rounds={self.rounds!r} is invalid; use a whole number of sweeps >= 1.")
 
 
 @dataclass
@@ -91,6 +101,8 @@ class Cell:
     records: list[RequestRecord] = field(default_factory=list)
     window_end: float | None = None
     """Steady-state cells: the ``perf_counter`` at which the window closed (tokens after it are not counted)."""
+    round_index: int = 0
+    """Which sweep of the run the cell belongs to, from 0 (``LoadtestConfig.rounds``)."""
 
     def summary(self) -> dict[str, Any]:
         ok = [r for r in self.records if r.error is None]
@@ -252,26 +264,55 @@ def run_cells(base_url: str, config: LoadtestConfig) -> list[Cell]:
         # would otherwise prefill the prompts new to that level for the others)
         warm = LoadtestConfig(requests_per_client=1, min_requests=len(prompts), max_tokens=1)
         asyncio.run(run_cell(base_url, prompts, "ntp", len(prompts), warm))
-    for clients in config.clients:
-        for variant in config.policies:  # interleaved: drift hits every variant alike
-            with console.status(f"{clients} clients, {variant} ..."):
-                cell = asyncio.run(run_cell(base_url, prompts, variant, clients, config))
-            s = cell.summary()
-            console.print(
-                f"{clients:>3} clients {variant:>10}: {s['tokens_per_s']:7.1f} tokens/s, "
-                f"P50 {s['p50_latency_s']:.2f} s, P95 {s['p95_latency_s']:.2f} s, "
-                f"TTFT {s['p50_ttft_s']:.2f} s, errors {s['error_ratio']:.0%}"
-            )
-            cells.append(cell)
+    for sweep in range(config.rounds):
+        label = f"round {sweep + 1}/{config.rounds}, " if config.rounds > 1 else ""
+        for clients in config.clients:
+            for variant in config.policies:  # interleaved: drift hits every variant alike
+                with console.status(f"{label}{clients} clients, {variant} ..."):
+                    cell = asyncio.run(run_cell(base_url, prompts, variant, clients, config))
+                cell.round_index = sweep
+                s = cell.summary()
+                console.print(
+                    f"{label}{clients:>3} clients {variant:>10}: {s['tokens_per_s']:7.1f} tokens/s, "
+                    f"P50 {s['p50_latency_s']:.2f} s, P95 {s['p95_latency_s']:.2f} s, "
+                    f"TTFT {s['p50_ttft_s']:.2f} s, errors {s['error_ratio']:.0%}"
+                )
+                cells.append(cell)
     return cells
+
+
+def pooled_summaries(cells: Sequence[Cell]) -> list[dict[str, Any]]:
+    """One summary per (variant, level) over every round: tokens counted as each cell counts them (inside its
+    window) over the cells' summed time, latencies over all their requests; ``round_tokens_per_s`` lists each
+    round's own figure, in round order."""
+    groups: dict[tuple[str, int], list[Cell]] = {}
+    for cell in cells:
+        groups.setdefault((cell.policy, cell.clients), []).append(cell)
+    pooled = []
+    for group in groups.values():
+        group = sorted(group, key=lambda c: c.round_index)
+        per_round = [c.summary() for c in group]
+        wall = sum(c.wall_s for c in group)
+        merged = Cell(group[0].policy, group[0].clients, wall, [r for c in group for r in c.records]).summary()
+        tokens = sum(s["tokens"] for s in per_round)
+        merged.update(
+            tokens=tokens,
+            wall_s=round(wall, 3),
+            tokens_per_s=round(tokens / wall, 3) if wall else 0.0,
+            rounds=len(group),
+            round_tokens_per_s=[s["tokens_per_s"] for s in per_round],
+        )
+        pooled.append(merged)
+    return pooled
 
 
 # ------------------------------------------------------------------------------------------------ reports
 def ratios(summaries: Sequence[dict[str, Any]], baseline: str = "ntp") -> dict[str, Any]:
     """Aggregate tokens/s of each variant over the baseline's at the same concurrency, and the baseline's scaling."""
     rate = {(s["policy"], s["clients"]): s["tokens_per_s"] for s in summaries}
+    by_round = {(s["policy"], s["clients"]): s.get("round_tokens_per_s", []) for s in summaries}
     levels = sorted({s["clients"] for s in summaries})
-    out: dict[str, Any] = {"vs_" + baseline: {}, baseline + "_scaling": {}}
+    out: dict[str, Any] = {"vs_" + baseline: {}, baseline + "_scaling": {}, "vs_" + baseline + "_rounds": {}}
     for c in levels:
         base = rate.get((baseline, c))
         if base:
@@ -279,6 +320,13 @@ def ratios(summaries: Sequence[dict[str, Any]], baseline: str = "ntp") -> dict[s
             single = rate.get((baseline, 1))
             if single:
                 out[baseline + "_scaling"][c] = round(base / single, 3)
+        bases = by_round.get((baseline, c), [])
+        if len(bases) > 1:  # each round's variant over the same round's baseline
+            out["vs_" + baseline + "_rounds"][c] = {
+                p: [round(r / b, 3) if b else 0.0 for r, b in zip(rs, bases, strict=False)]
+                for (p, cc), rs in by_round.items()
+                if cc == c
+            }
     return out
 
 
@@ -288,16 +336,24 @@ def markdown(summaries: Sequence[dict[str, Any]], extra: dict[str, Any]) -> str:
         "| tool calls parsed (cut off) |\n|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|\n"
     )
     vs = extra["ratios"].get("vs_ntp", {})
+    spread = extra["ratios"].get("vs_ntp_rounds", {})
     rows = []
     for s in summaries:
         ratio = vs.get(s["clients"], {}).get(s["policy"])
+        shown = "-" if ratio is None else f"{ratio:.2f}x"
+        per_round = spread.get(s["clients"], {}).get(s["policy"], [])
+        if ratio is not None and len(per_round) > 1 and s["policy"] != "ntp":
+            shown += f" ({min(per_round):.2f}-{max(per_round):.2f})"
         parsed = "-" if s["tool_calls_parsed"] is None else f"{s['tool_calls_parsed']:.0%} ({s['tool_calls_cut_off']})"
         rows.append(
-            f"| {s['clients']} | {s['policy']} | {s['tokens_per_s']:.1f} | {'-' if ratio is None else f'{ratio:.2f}x'} "
+            f"| {s['clients']} | {s['policy']} | {s['tokens_per_s']:.1f} | {shown} "
             f"| {s['p50_latency_s']:.2f} | {s['p95_latency_s']:.2f} | {s['p50_ttft_s']:.2f} | {s['error_ratio']:.0%} "
             f"| {s['timeout_ratio']:.0%} | {parsed} |"
         )
     scaling = extra["ratios"].get("ntp_scaling", {})
+    rounds = max((s.get("rounds", 1) for s in summaries), default=1)
+    if rounds > 1:
+        head = f"Pooled over {rounds} rounds; vs ntp: pooled ratio (lowest-highest of the rounds).\n\n" + head
     tail = "\nNTP aggregate tokens/s over one client's: " + ", ".join(
         f"{c} clients {r:.2f}x" for c, r in scaling.items()
     )
@@ -373,6 +429,10 @@ def local_server(*, threads: int | None, max_active: int) -> Iterator[str]:
             process.kill()
 
 
+def _cell_key(cell: Cell, rounds: int) -> str:
+    return f"{cell.policy}@{cell.clients}" + (f"#{cell.round_index + 1}" if rounds > 1 else "")
+
+
 def run_loadtest(config: LoadtestConfig, *, base_url: str | None, threads: int | None, out_dir: Path) -> dict[str, Any]:
     """Run every cell, print the table, write JSON, Markdown and PNG under ``out_dir``; return the report."""
     started = time.time()
@@ -383,7 +443,7 @@ def run_loadtest(config: LoadtestConfig, *, base_url: str | None, threads: int |
     else:
         cells = run_cells(base_url.rstrip("/"), config)
         health = httpx.get(base_url.rstrip("/").removesuffix("/v1") + "/health").json()
-    summaries = [c.summary() for c in cells]
+    summaries = pooled_summaries(cells)
     report: dict[str, Any] = {
         "config": asdict(config),
         "server_at_end": health,
@@ -392,8 +452,10 @@ def run_loadtest(config: LoadtestConfig, *, base_url: str | None, threads: int |
         "cpus": os.cpu_count(),
         "started": started,
         "cells": summaries,
-        "requests": {f"{c.policy}@{c.clients}": [asdict(r) for r in c.records] for c in cells},
+        "requests": {_cell_key(c, config.rounds): [asdict(r) for r in c.records] for c in cells},
     }
+    if config.rounds > 1:
+        report["round_cells"] = [{**c.summary(), "round": c.round_index + 1} for c in cells]
     report["ratios"] = ratios(summaries)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "loadtest.json").write_text(json.dumps(report, indent=2))

@@ -4,11 +4,26 @@ ratios and the table."""
 from __future__ import annotations
 
 import asyncio
+import json
+from pathlib import Path
+
+import pytest
 
 from agent_mtp.bench.suites import load_suite
 from agent_mtp.engine.cost import CostCurve
+from agent_mtp.errors import ConfigError
 from agent_mtp.server import ServerSettings, create_app
-from agent_mtp.server.loadtest import LoadtestConfig, RequestRecord, markdown, ratios, request_body, run_cell
+from agent_mtp.server.loadtest import (
+    Cell,
+    LoadtestConfig,
+    RequestRecord,
+    markdown,
+    pooled_summaries,
+    ratios,
+    request_body,
+    run_cell,
+    run_loadtest,
+)
 from agent_mtp.service import Service
 from tests.fixtures.uvicorn_server import serving
 from tests.tiny import tiny_engine
@@ -72,3 +87,70 @@ def test_tokens_before_a_deadline_spread_over_chunks() -> None:
     assert record.tokens_before(2.5) == 4
     assert record.tokens_before(9.0) == 10
     assert RequestRecord("q", tokens=3).tokens_before(0.0) == 3  # no chunk times (non-streaming): all of it
+
+
+def _cell(policy: str, rounds_index: int, tokens: list[int], *, window_end: float | None = None) -> Cell:
+    records = [
+        RequestRecord(f"p{i}", latency_s=1.0 + i, tokens=t, chunk_times=[1.0, 2.0]) for i, t in enumerate(tokens)
+    ]
+    return Cell(policy, 8, 2.0, records, window_end, round_index=rounds_index)
+
+
+def test_rounds_are_pooled_and_each_ratio_comes_with_its_spread() -> None:
+    """Two rounds of two variants: pooled tokens/s over the summed time, each round's ratio to the same round's
+    NTP, and the table shows the pooled ratio with the rounds' range."""
+    cells = [
+        _cell("ntp", 0, [10, 10]),
+        _cell("verified", 0, [12, 10]),
+        _cell("ntp", 1, [20, 20]),
+        _cell("verified", 1, [18, 20], window_end=1.5),  # a steady-state cell: half of each request's chunks count
+    ]
+    pooled = pooled_summaries(cells)
+    assert [(s["policy"], s["rounds"]) for s in pooled] == [("ntp", 2), ("verified", 2)]
+    ntp, verified = pooled
+    assert ntp["tokens"] == 60 and ntp["wall_s"] == 4.0 and ntp["tokens_per_s"] == 15.0
+    assert verified["round_tokens_per_s"] == [11.0, 9.5] and verified["tokens"] == 22 + 19
+    assert ntp["requests"] == 4 and ntp["p95_latency_s"] == 2.0  # latencies over every round's requests
+    report = {"ratios": ratios(pooled)}
+    assert report["ratios"]["vs_ntp"][8]["verified"] == round(41 / 60, 3)
+    assert report["ratios"]["vs_ntp_rounds"][8]["verified"] == [1.1, 0.475]
+    table = markdown(pooled, report)
+    assert "Pooled over 2 rounds" in table and "0.68x (0.47-1.10)" in table
+
+
+def test_a_single_round_keeps_the_plain_table() -> None:
+    pooled = pooled_summaries([_cell("ntp", 0, [10]), _cell("verified", 0, [12])])
+    report = {"ratios": ratios(pooled)}
+    assert report["ratios"]["vs_ntp_rounds"] == {}
+    table = markdown(pooled, report)
+    assert "Pooled" not in table and "| 8 | verified | 6.0 | 1.20x |" in table
+
+
+@pytest.mark.parametrize("rounds", [0, -1, 1.5, True])
+def test_a_bad_number_of_rounds_is_refused(rounds: object) -> None:
+    with pytest.raises(ConfigError, match="rounds="):
+        LoadtestConfig(rounds=rounds)  # type: ignore[arg-type]
+
+
+def test_rounds_against_a_tiny_server_alternate_and_pool(tmp_path: Path) -> None:
+    service, settings = _tiny_service()
+    config = LoadtestConfig(
+        clients=(1, 2), policies=("ntp", "verified"), suite="quick", requests_per_client=1, max_tokens=4, rounds=2
+    )
+    with serving(create_app(settings, service=service)) as server:
+        report = run_loadtest(config, base_url=server.base_url, threads=None, out_dir=tmp_path)
+    service.close()
+    order = [(c["round"], c["clients"], c["policy"]) for c in report["round_cells"]]
+    assert order == [(r, c, p) for r in (1, 2) for c in (1, 2) for p in ("ntp", "verified")]
+    assert [(s["policy"], s["clients"], s["rounds"]) for s in report["cells"]] == [
+        ("ntp", 1, 2),
+        ("verified", 1, 2),
+        ("ntp", 2, 2),
+        ("verified", 2, 2),
+    ]
+    assert set(report["requests"]) == {f"{p}@{c}#{r}" for p in ("ntp", "verified") for c in (1, 2) for r in (1, 2)}
+    written = json.loads((tmp_path / "loadtest.json").read_text())
+    assert (
+        written["ratios"]["vs_ntp_rounds"]["2"]["verified"]
+        and "Pooled over 2 rounds" in (tmp_path / "loadtest.md").read_text()
+    )
