@@ -273,11 +273,14 @@ class SharedPassCurve(CostCurve):
         object.__setattr__(self, "_runner", runner)
 
     def cost(self, n: int) -> float:
-        others, rows = self._runner.shared_load
+        return self.costs(n, 1)[0]
+
+    def costs(self, first: int, count: int) -> list[float]:
+        others, rows = self._runner.shared_load  # the load and the fitted pass times, read once for every size
         if others == 0:
-            return self._base.cost(n)
+            return self._base.costs(first, count)
         times = self._runner.scheduler.pass_time_curve(self._base)
-        return shared_pass_cost(times, n, others=others, other_rows=rows)
+        return [shared_pass_cost(times, n, others=others, other_rows=rows) for n in range(first, first + count)]
 
 
 def pass_time_curve(base: CostCurve, table: Sequence[PassTime | None], *, min_count: int = 2) -> list[float]:

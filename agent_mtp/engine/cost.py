@@ -48,6 +48,11 @@ class CostCurve:
         x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
         return y0 + (y1 - y0) * (n - x0) / (x1 - x0)
 
+    def costs(self, first: int, count: int) -> list[float]:
+        """``[cost(first), ..., cost(first + count - 1)]``: what a planner reads once per pass (a curve whose
+        costs depend on the moment, as a shared pass's do, reads that moment once)."""
+        return [self.cost(n) for n in range(first, first + count)]
+
     def to_json(self) -> str:
         return json.dumps({"points": [list(p) for p in self.points]})
 

@@ -182,7 +182,7 @@ class Planner:
         cost = functools.cache(self.curve.cost)  # the options below ask for the same few sizes many times
         most_masks = max(self.k_cap - 1, 0)
         longest = max((min(len(c.tokens), room) for c in candidates), default=0)
-        costs = [cost(pending + i) for i in range(longest + max(min(most_masks, room), 0) + 1)]  # [pending + i]
+        costs = self.curve.costs(pending, longest + max(min(most_masks, room), 0) + 1)  # [i]: pending + i rows
         # A pass costs at least as much with more rows (every curve the engine builds): then, for one draft option,
         # once even its largest value over this pass's cost cannot beat the best, no more masks can.
         prune = all(a <= b for a, b in itertools.pairwise(costs))

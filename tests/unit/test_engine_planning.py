@@ -299,3 +299,17 @@ def test_verified_planning_picks_what_scoring_every_option_picks() -> None:
         masks, tokens = _brute_force_plan(planner, pending, drafts, room)
         plan = planner.plan(pending, drafts, room + 1)
         assert (plan.masks, tuple(plan.draft_tokens)) == (masks, tokens)
+
+
+def test_the_decode_loops_argmax_is_torchs() -> None:
+    """The decode loop's row-wise argmax (numpy's, faster on one thread) picks what ``torch.argmax`` picks: the first
+    of equal maxima, on views, with -inf (grammar-masked) entries and whole masked rows."""
+    from agent_mtp.engine.decode import _argmax
+
+    rows = torch.randn(5, 1000, generator=torch.Generator().manual_seed(3))
+    rows[1, [10, 500]] = 9.0  # a tie: the lower id
+    rows[2, :] = float("-inf")
+    rows[3, ::2] = float("-inf")
+    for view in (rows, rows[1:4], rows[:, 100:], rows.t().contiguous().t()):
+        assert _argmax(view) == view.argmax(-1).tolist()
+    assert _argmax(rows.double()) == rows.argmax(-1).tolist()  # other dtypes take torch's
