@@ -266,21 +266,34 @@ class SharedPassCurve(CostCurve):
 
     _base: CostCurve
     _runner: BatchingRunner
+    _fit: Sequence[float] | None
+    _ranges: dict[tuple[int, int, int, int], list[float]]
+    """Cost ranges by (first, count, other sequences, their rows) under the fit ``_fit``."""
 
     def __init__(self, base: CostCurve, runner: BatchingRunner) -> None:
         object.__setattr__(self, "points", base.points)
         object.__setattr__(self, "_base", base)
         object.__setattr__(self, "_runner", runner)
+        object.__setattr__(self, "_fit", None)
+        object.__setattr__(self, "_ranges", {})
 
     def cost(self, n: int) -> float:
         return self.costs(n, 1)[0]
 
-    def costs(self, first: int, count: int) -> list[float]:
+    def costs(self, first: int, count: int) -> Sequence[float]:
         others, rows = self._runner.shared_load  # the load and the fitted pass times, read once for every size
         if others == 0:
             return self._base.costs(first, count)
         times = self._runner.scheduler.pass_time_curve(self._base)
-        return [shared_pass_cost(times, n, others=others, other_rows=rows) for n in range(first, first + count)]
+        if self._fit is not times:  # the ranges below hold while the fit does (refitted every REFIT_EVERY passes)
+            self._ranges.clear()
+            object.__setattr__(self, "_fit", times)
+        key = (first, count, others, rows)
+        found = self._ranges.get(key)
+        if found is None:
+            found = [shared_pass_cost(times, n, others=others, other_rows=rows) for n in range(first, first + count)]
+            self._ranges[key] = found
+        return found
 
 
 def pass_time_curve(base: CostCurve, table: Sequence[PassTime | None], *, min_count: int = 2) -> list[float]:

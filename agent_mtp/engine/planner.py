@@ -18,7 +18,6 @@
 from __future__ import annotations
 
 import functools
-import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -185,7 +184,7 @@ class Planner:
         costs = self.curve.costs(pending, longest + max(min(most_masks, room), 0) + 1)  # [i]: pending + i rows
         # A pass costs at least as much with more rows (every curve the engine builds): then, for one draft option,
         # once even its largest value over this pass's cost cannot beat the best, no more masks can.
-        prune = all(a <= b for a, b in itertools.pairwise(costs))
+        prune = costs == sorted(costs)
         gain = [0.0, *_cumulative(self.rates.positions)]  # gain[m]: expected MTP draft tokens from m masks
         best = -1.0
         chosen: tuple[Draft | None, int, int] = (None, 0, 0)  # (candidate, draft length, masks)

@@ -89,7 +89,7 @@ def test_shared_pass_cost_grows_with_concurrency() -> None:
 def test_a_shared_curve_reads_the_load_once_for_every_size(engine: MTPEngine) -> None:
     """The planner asks for a pass's whole range of sizes at once: the same costs as one size at a time, alone and
     beside others, and a plain curve's range is its points' interpolation."""
-    assert CURVE.costs(3, 4) == [CURVE.cost(n) for n in (3, 4, 5, 6)]
+    assert list(CURVE.costs(3, 4)) == [CURVE.cost(n) for n in (3, 4, 5, 6)]
     batched = BatchedEngine(engine)
     try:
         runner = batched.scheduler.runner() if batched.scheduler is not None else None
@@ -97,8 +97,8 @@ def test_a_shared_curve_reads_the_load_once_for_every_size(engine: MTPEngine) ->
         curve = runner.share_curve(CURVE)
         for load in ((0, 0), (3, 5), (15, 40)):
             runner.shared_load = load
-            assert curve.costs(2, 12) == [curve.cost(n) for n in range(2, 14)]
-        assert curve.costs(1, 3) != CURVE.costs(1, 3)  # beside 15 others, rows cost more than alone
+            assert list(curve.costs(2, 12)) == [curve.cost(n) for n in range(2, 14)]
+        assert list(curve.costs(1, 3)) != list(CURVE.costs(1, 3))  # beside 15 others, rows cost more than alone
         runner.close()
     finally:
         batched.close()
