@@ -184,7 +184,7 @@ class Planner:
         costs = self.curve.costs(pending, longest + max(min(most_masks, room), 0) + 1)  # [i]: pending + i rows
         # A pass costs at least as much with more rows (every curve the engine builds): then, for one draft option,
         # once even its largest value over this pass's cost cannot beat the best, no more masks can.
-        prune = costs == sorted(costs)
+        prune = list(costs) == sorted(costs)  # (a kept range is a tuple)
         gain = [0.0, *_cumulative(self.rates.positions)]  # gain[m]: expected MTP draft tokens from m masks
         best = -1.0
         chosen: tuple[Draft | None, int, int] = (None, 0, 0)  # (candidate, draft length, masks)
