@@ -59,27 +59,12 @@ class CostCurve:
         costs depend on the moment, as a shared pass's do, reads that moment once). A curve is a value, so the
         ranges of decode passes (a few pending tokens) are kept."""
         if first > MEMO_FIRST:
-            return self._interpolate(first, count)
+            return [self.cost(n) for n in range(first, first + count)]
         key = (first, count)
         found = self._memo.get(key)
         if found is None:
-            found = self._memo[key] = tuple(self._interpolate(first, count))
+            found = self._memo[key] = tuple(self.cost(n) for n in range(first, first + count))
         return found
-
-    def _interpolate(self, first: int, count: int) -> list[float]:
-        xs, ys = self._xs, self._ys
-        if len(xs) == 1 or first + count - 1 <= xs[0] or first >= xs[-1]:
-            return [self.cost(n) for n in range(first, first + count)]
-        out, i = [], max(bisect.bisect_left(xs, first), 1)  # the segment [xs[i - 1], xs[i]] holding n
-        for n in range(first, first + count):
-            if n <= xs[0] or n >= xs[-1]:
-                out.append(self.cost(n))
-                continue
-            while xs[i] < n:
-                i += 1
-            x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
-            out.append(y0 + (y1 - y0) * (n - x0) / (x1 - x0))  # as cost(n)
-        return out
 
     def to_json(self) -> str:
         return json.dumps({"points": [list(p) for p in self.points]})

@@ -290,10 +290,10 @@ def pooled_summaries(cells: Sequence[Cell]) -> list[dict[str, Any]]:
         groups.setdefault((cell.policy, cell.clients), []).append(cell)
     pooled = []
     for group in groups.values():
-        group = sorted(group, key=lambda c: c.round_index)
-        per_round = [c.summary() for c in group]
-        wall = sum(c.wall_s for c in group)
-        merged = Cell(group[0].policy, group[0].clients, wall, [r for c in group for r in c.records]).summary()
+        ordered = sorted(group, key=lambda c: c.round_index)
+        per_round = [c.summary() for c in ordered]
+        wall = sum(c.wall_s for c in ordered)
+        merged = Cell(ordered[0].policy, ordered[0].clients, wall, [r for c in ordered for r in c.records]).summary()
         tokens = sum(s["tokens"] for s in per_round)
         merged.update(
             tokens=tokens,
