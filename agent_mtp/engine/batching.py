@@ -69,6 +69,7 @@ class _Job:
     item: BatchItem
     done: threading.Event = field(default_factory=threading.Event)
     logits: torch.Tensor | None = None
+    greedy: list[int] | None = None
     error: BaseException | None = None
 
 
@@ -192,7 +193,7 @@ class BatchScheduler:
         started = time.perf_counter()
         try:
             with torch.no_grad():  # on the process's compute thread (engine/threads.py)
-                outputs = compute().run(self.model.forward_batch, [job.item for job in batch])
+                outputs = compute().run(self._forward, [job.item for job in batch])
         except BaseException as e:  # every caller gets the error; the scheduler keeps running
             for job in batch:
                 job.error = e
@@ -205,9 +206,14 @@ class BatchScheduler:
             self._passes += 1
             self._sequences += len(batch)
             self._rows += rows
-        for job, logits in zip(batch, outputs, strict=True):
-            job.logits = logits
+        for job, (logits, greedy) in zip(batch, outputs, strict=True):
+            job.logits, job.greedy = logits, greedy
             job.done.set()
+
+    def _forward(self, items: list[BatchItem]) -> list[tuple[torch.Tensor, list[int]]]:
+        """The pass, and each sequence's greedy tokens while its logits are in this core's cache (see
+        :meth:`FastModel.greedy_tokens`)."""
+        return [(logits, self.model.greedy_tokens(logits)) for logits in self.model.forward_batch(items)]
 
     def _measure(self, rows: int, seconds: float) -> None:
         if rows > MEASURED_ROWS:
@@ -240,6 +246,7 @@ class BatchingRunner(FastRunner):
             raise job.error
         assert job.logits is not None
         self.tokens += tokens
+        self.greedy = job.greedy
         self.shared_load = self.scheduler.load(self)
         return job.logits
 

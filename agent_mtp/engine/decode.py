@@ -15,7 +15,7 @@ become ``pending`` for the next pass.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -143,14 +143,15 @@ def _one_pass(
     logits = runner.forward(feed, keep)  # [keep, V]: row 0 = last pending token
     if setup.mask_token_id < logits.shape[-1]:
         logits[:, setup.mask_token_id] = float("-inf")
+    top = getattr(runner, "greedy", None) if cfg.temperature <= 0 else None  # the runner's argmax per row, if any
     stats.forward_passes += 1
     stats.k_used[masks + 1] = stats.k_used.get(masks + 1, 0) + 1
     if cfg.mode == "verified":
-        result = _verify(logits, draft, masks, state, cfg, constraint, generator, stats)
+        result = _verify(logits, top, draft, masks, state, cfg, constraint, generator, stats)
         runner.drop(len(draft_tokens) - result.accepted_beyond_first + masks)
         state.pending = [result.new_tokens[-1]] if result.new_tokens else []
     else:
-        result = _propose_and_accept(logits, masks, cfg, constraint, generator)
+        result = _propose_and_accept(logits, top, masks, cfg, constraint, generator)
         runner.drop(masks)
         state.pending = list(result.new_tokens)
     setup.planner.observe(plan, result.proposed_beyond_first, result.accepted_beyond_first)
@@ -208,6 +209,21 @@ def _argmax(logits: torch.Tensor) -> list[int]:
     return [int(i) for i in logits.argmax(-1).tolist()]
 
 
+def _greedy(logits: torch.Tensor, row: int, top: Sequence[int] | None, constraint: TokenConstraint | None) -> int:
+    """The greedy token of ``logits[row]`` under ``constraint``. ``top``: the runner's argmax of every row (the fast
+    runtime computes it where the logits were written: :meth:`FastModel.greedy_tokens`); when the constraint allows
+    that token it is also the first maximum among the allowed ones, so the row is not read again here."""
+    if top is None:
+        return _argmax(_masked_logits(logits[row], constraint)[None])[0]
+    token = top[row]
+    if constraint is None:
+        return token
+    allowed = constraint.allowed_mask(logits.shape[-1])
+    if bool(allowed[token]):
+        return token
+    return _argmax(logits[row].masked_fill(~allowed.to(logits.device), float("-inf"))[None])[0]
+
+
 def _choose(logits: torch.Tensor, cfg: DecodeConfig, generator: torch.Generator | None) -> list[int]:
     """One token per row of (masked) ``logits`` [n, V]: greedy takes the argmax of the logits themselves, as HF
     ``generate`` does (a softmax can round two different logits to one probability, and its argmax then takes the
@@ -219,23 +235,31 @@ def _choose(logits: torch.Tensor, cfg: DecodeConfig, generator: torch.Generator 
 
 def _propose_and_accept(
     logits: torch.Tensor,
+    top: Sequence[int] | None,
     masks: int,
     cfg: DecodeConfig,
     constraint: TokenConstraint | None,
     generator: torch.Generator | None,
 ) -> _PassResult:
-    """static / confadapt / ntp: token 1 from the last real position, tokens 2..k from the masks."""
-    first_logits = _masked_logits(logits[0], constraint)  # [V]
-    first = _choose(first_logits[None], cfg, generator)[0]
+    """static / confadapt / ntp: token 1 from the last real position, tokens 2..k from the masks. ``top``: the
+    runner's argmax per row (greedy decoding on the fast runtime), else None."""
+    confident = masks > 0 and cfg.mode != "static"  # ConfAdapt reads token 1's probability
+    first_logits = _masked_logits(logits[0], constraint) if top is None or confident else None  # [V]
+    if top is not None:
+        first = _greedy(logits, 0, top, constraint)
+    else:
+        assert first_logits is not None
+        first = _choose(first_logits[None], cfg, generator)[0]
     if constraint is not None:
         constraint.accept(first)
     if masks == 0:
         return _PassResult([first], "ntp")
-    rest = _choose(logits[1:], cfg, generator)  # [masks]
+    rest = list(top[1:]) if top is not None else _choose(logits[1:], cfg, generator)  # [masks]
     valid = _grammar_prefix(rest, constraint)
-    if cfg.mode == "static":
+    if not confident:
         accepted = 1 + valid
     else:
+        assert first_logits is not None
         first_top = probabilities(first_logits, cfg.temperature, cfg.top_p).max()[None]
         rest_top = probabilities(logits[1:], cfg.temperature, cfg.top_p).max(-1).values  # [masks]
         accepted = min(confadapt_accept_length(torch.cat([first_top, rest_top]), cfg.threshold), 1 + valid)
@@ -256,6 +280,7 @@ def _grammar_prefix(tokens: list[int], constraint: TokenConstraint | None) -> in
 
 def _verify(
     logits: torch.Tensor,
+    top: Sequence[int] | None,
     draft: Draft | None,
     masks: int,
     state: _State,
@@ -264,7 +289,8 @@ def _verify(
     generator: torch.Generator | None,
     stats: DecodeStats,
 ) -> _PassResult:
-    """Check the draft against the NTP logits at its positions; keep the matching prefix plus one model token."""
+    """Check the draft against the NTP logits at its positions; keep the matching prefix plus one model token.
+    ``top``: the runner's argmax per row (greedy decoding on the fast runtime), else None."""
     tokens = list(draft.tokens) if draft else []
     accepted: list[int] = []
     correction: int | None = None
@@ -272,7 +298,7 @@ def _verify(
         if cfg.temperature > 0:
             ok, token = accept_or_resample(_masked_probs(logits[j], cfg, constraint), proposed, generator)
         else:
-            token = _argmax(_masked_logits(logits[j], constraint)[None])[0]  # from the logits, as HF generate
+            token = _greedy(logits, j, top, constraint)  # from the logits, as HF generate
             ok = token == proposed
         if constraint is not None:
             constraint.accept(token)
@@ -284,10 +310,15 @@ def _verify(
             correction = -1
             break
     if correction is None:
-        correction = _choose(_masked_logits(logits[len(tokens)], constraint)[None], cfg, generator)[0]
+        if top is not None:
+            correction = _greedy(logits, len(tokens), top, constraint)
+        else:
+            correction = _choose(_masked_logits(logits[len(tokens)], constraint)[None], cfg, generator)[0]
         if constraint is not None:
             constraint.accept(correction)
-        _offer_mtp_draft(state, logits[len(tokens) + 1 : len(tokens) + 1 + masks], cfg, constraint)
+        at = len(tokens) + 1
+        mask_top = top[at : at + masks] if top is not None else None
+        _offer_mtp_draft(state, logits[at : at + masks], mask_top, cfg, constraint)
     else:
         state.mtp.offer([], [])
     new_tokens = accepted + ([correction] if correction >= 0 else [])
@@ -301,12 +332,17 @@ def _verify(
 
 
 def _offer_mtp_draft(
-    state: _State, mask_logits: torch.Tensor, cfg: DecodeConfig, constraint: TokenConstraint | None
+    state: _State,
+    mask_logits: torch.Tensor,
+    mask_top: Sequence[int] | None,
+    cfg: DecodeConfig,
+    constraint: TokenConstraint | None,
 ) -> None:
     if "mtp" not in cfg.drafts or mask_logits.shape[0] == 0:
         state.mtp.offer([], [])
         return
-    tokens = _argmax(mask_logits)  # [masks]: drafts are greedy; verification keeps exactness
+    # drafts are greedy (verification keeps exactness); the runner's argmax where it has one
+    tokens = list(mask_top) if mask_top is not None else _argmax(mask_logits)  # [masks]
     valid = _grammar_prefix(tokens, constraint)
     if constraint is not None and valid:
         constraint.rollback(valid)

@@ -32,8 +32,11 @@ class TextTracker:
         self._read = 0
         self._head = ""
         """The text of ids[_base:_read] alone."""
+        self._backend = _backend_decoder(tokenizer)
 
     def decode(self, ids: list[int]) -> str:
+        if self._backend is not None:
+            return str(self._backend.decode(ids, skip_special_tokens=True))
         return str(self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False))
 
     def extend(self, new_ids: list[int]) -> tuple[str, int]:
@@ -93,3 +96,21 @@ class TextTracker:
                     end -= n
                     break
         return max(end, self.emitted)
+
+
+def _backend_decoder(tokenizer: Any) -> Any | None:
+    """The ``tokenizers.Tokenizer`` behind a transformers fast tokenizer, whose ``decode(ids, skip_special_tokens)``
+    is what the tokenizer's own ``decode`` returns without clean-up (transformers 5 ``TokenizersBackend._decode``)
+    minus its argument handling: a third of a decode here, twice per pass. None for any other tokenizer."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if backend is None or type(backend).__module__.split(".")[0] != "tokenizers":
+        return None
+    try:
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:  # another transformers layout: keep the tokenizer's own decode
+        return None
+    kind = type(tokenizer)
+    if kind._decode is not TokenizersBackend._decode or kind.decode is not PreTrainedTokenizerBase.decode:
+        return None  # a tokenizer that decodes its own way
+    return backend

@@ -206,23 +206,24 @@ def test_a_block_is_cut_at_the_first_token_the_grammar_rejects(engine):
         assert all(constraint.accept(t) for t in prefix)
         return constraint
 
-    constraint = fresh()
-    static = _propose_and_accept(
-        _logits_for(rows, width, confidence=[0.9] * 4), 3, DecodeConfig(mode="static", k_max=4), constraint, None
-    )
-    assert static.new_tokens == rows[:2]
-    assert constraint.num_accepted == len(prefix) + 2
+    for top in (None, rows):  # greedy tokens from the logits, or from the runner's argmax (the fast runtime)
+        constraint = fresh()
+        block = _logits_for(rows, width, confidence=[0.9] * 4)
+        static = _propose_and_accept(block, top, 3, DecodeConfig(mode="static", k_max=4), constraint, None)
+        assert static.new_tokens == rows[:2]
+        assert constraint.num_accepted == len(prefix) + 2
 
-    constraint = fresh()
-    confident = _propose_and_accept(
-        _logits_for(rows, width, confidence=[0.99, 0.5, 0.99, 0.99]),
-        3,
-        DecodeConfig(mode="confadapt", threshold=0.9, k_max=4),
-        constraint,
-        None,
-    )
-    assert confident.new_tokens == rows[:1]  # position 2 is legal but not confident: rolled back
-    assert constraint.num_accepted == len(prefix) + 1
+        constraint = fresh()
+        confident = _propose_and_accept(
+            _logits_for(rows, width, confidence=[0.99, 0.5, 0.99, 0.99]),
+            top,
+            3,
+            DecodeConfig(mode="confadapt", threshold=0.9, k_max=4),
+            constraint,
+            None,
+        )
+        assert confident.new_tokens == rows[:1]  # position 2 is legal but not confident: rolled back
+        assert constraint.num_accepted == len(prefix) + 1
 
 
 def test_multi_token_passes_happen_under_a_grammar(engine):

@@ -230,18 +230,66 @@ def test_greedy_tokens_come_from_the_logits_as_hf_generate_takes_them() -> None:
     from agent_mtp.engine.results import DecodeStats
 
     tie = _softmax_tie(16, low=3, high=9)
-    ntp = _propose_and_accept(tie[None], 0, DecodeConfig(mode="ntp"), None, None)
-    assert ntp.new_tokens == [9]
     block = torch.stack([tie, tie, tie])
-    static = _propose_and_accept(block, 2, DecodeConfig(mode="static", k_max=3), None, None)
-    assert static.new_tokens == [9, 9, 9]
-    cfg = DecodeConfig(mode="verified", k_max=3)
-    state = _State(pending=[1], context=[1])
-    draft = Draft((9,), "ngram", 1.0)
-    verified = _verify(block, draft, 1, state, cfg, None, None, DecodeStats(mode="verified"))
-    assert verified.new_tokens == [9, 9] and verified.accepted_beyond_first == 1
-    mask_draft = state.mtp.propose([], 4)
-    assert mask_draft is not None and mask_draft.tokens == (9,)  # the mask's prediction, the next pass's draft
+    for top in (None, [9, 9, 9]):  # from the logits here, or the runner's argmax (the fast runtime's, numpy's)
+        ntp = _propose_and_accept(tie[None], top, 0, DecodeConfig(mode="ntp"), None, None)
+        assert ntp.new_tokens == [9]
+        static = _propose_and_accept(block, top, 2, DecodeConfig(mode="static", k_max=3), None, None)
+        assert static.new_tokens == [9, 9, 9]
+        cfg = DecodeConfig(mode="verified", k_max=3)
+        state = _State(pending=[1], context=[1])
+        draft = Draft((9,), "ngram", 1.0)
+        verified = _verify(block, top, draft, 1, state, cfg, None, None, DecodeStats(mode="verified"))
+        assert verified.new_tokens == [9, 9] and verified.accepted_beyond_first == 1
+        mask_draft = state.mtp.propose([], 4)
+        assert mask_draft is not None and mask_draft.tokens == (9,)  # the mask's prediction, the next pass's draft
+    assert [int(i) for i in block.numpy().argmax(-1)] == [9, 9, 9]
+
+
+class _OnlyEven:
+    """A constraint that allows even token ids only (never terminates, forces nothing)."""
+
+    def __init__(self) -> None:
+        self.taken: list[int] = []
+
+    def allowed_mask(self, vocab_size: int) -> torch.Tensor:
+        return torch.arange(vocab_size) % 2 == 0
+
+    def accept(self, token_id: int) -> bool:
+        if token_id % 2:
+            return False
+        self.taken.append(token_id)
+        return True
+
+    def rollback(self, num_tokens: int) -> None:
+        del self.taken[len(self.taken) - num_tokens :]
+
+    def is_terminated(self) -> bool:
+        return False
+
+    def forced_tokens(self) -> list[int]:
+        return []
+
+
+def test_the_runners_argmax_serves_greedy_rows_only_where_the_constraint_allows_it() -> None:
+    """Greedy tokens come from the runner's argmax (computed where the logits were written) when the constraint
+    allows that token, and from the masked row when it does not: the same tokens as masking every row."""
+    from agent_mtp.engine.config import DecodeConfig
+    from agent_mtp.engine.decode import _greedy, _masked_logits, _propose_and_accept
+
+    torch.manual_seed(3)
+    logits = torch.randn(6, 40)
+    top = [int(i) for i in logits.numpy().argmax(-1)]
+    assert any(t % 2 for t in top) and any(t % 2 == 0 for t in top)  # both cases occur
+    for row in range(6):
+        reference = int(_masked_logits(logits[row], _OnlyEven()).argmax())
+        assert _greedy(logits, row, top, _OnlyEven()) == reference == _greedy(logits, row, None, _OnlyEven())
+        assert _greedy(logits, row, top, None) == top[row]
+    confadapt = DecodeConfig(mode="confadapt", k_max=3, threshold=0.0)
+    constraint = _OnlyEven()
+    result = _propose_and_accept(logits[:3], top[:3], 2, confadapt, constraint, None)
+    plain = _propose_and_accept(logits[:3], None, 2, confadapt, _OnlyEven(), None)
+    assert result.new_tokens == plain.new_tokens and constraint.taken == result.new_tokens
 
 
 def _brute_force_plan(planner: Planner, pending: int, drafts: list[Draft], room: int) -> tuple[int, tuple[int, ...]]:

@@ -115,6 +115,41 @@ def test_mask_rows_anywhere(engine: MTPEngine) -> None:
     torch.testing.assert_close(b, a, atol=ATOL, rtol=1e-4)
 
 
+def test_runner_argmax_is_the_logits_argmax_without_the_mask_token(engine: MTPEngine) -> None:
+    """The greedy tokens the fast runner computes with each pass (the decode loop reads them instead of the
+    logits) are each kept row's argmax, the mask token never among them, alone and in a batched pass."""
+    from agent_mtp.engine.batching import BatchScheduler
+
+    m = engine.mask_token_id
+    runner = engine.new_runner()
+    assert isinstance(runner, FastRunner)
+    tokens = [5, 6, m, m, 7, m]
+    logits = runner.forward(tokens, len(tokens))
+    left_out = logits.clone()
+    left_out[:, m] = float("-inf")
+    assert runner.greedy == left_out.argmax(-1).tolist() and m not in runner.greedy
+    biased = runner.model.lm_head.bias  # make the mask token every row's favourite: it must still be left out
+    runner.model.lm_head.bias = torch.zeros(logits.shape[-1]).index_fill_(0, torch.tensor([m]), 1e4)
+    try:
+        raw = runner.model.forward([8, m], runner.model.new_cache(), 2)
+        assert raw.argmax(-1).tolist() == [m, m]  # the logits alone would pick it
+        again = runner.forward([8, m], 2)
+        assert again.argmax(-1).tolist() == [m, m]  # the runner returns the logits unchanged
+        again[:, m] = float("-inf")
+        assert runner.greedy == again.argmax(-1).tolist() and m not in runner.greedy
+    finally:
+        runner.model.lm_head.bias = biased
+    scheduler = BatchScheduler(runner.model)
+    try:
+        shared = scheduler.runner()
+        got = shared.forward([9, 10, m], 3)
+        got[:, m] = float("-inf")
+        assert shared.greedy == got.argmax(-1).tolist() and m not in shared.greedy
+        shared.close()
+    finally:
+        scheduler.close()
+
+
 def test_long_prefill_uses_sdpa_path_and_matches(engine: MTPEngine) -> None:
     fast, ref = engine.new_runner(), CachedRunner(engine.model)
     ids = _random_ids(100, 3)

@@ -333,6 +333,23 @@ class FastModel:
         logits = self.lm_head(F.rms_norm(h, (x.shape[-1],), self.final_norm, self.eps))  # [sum keep, V]
         return list(logits.split([item.keep for item in items])) if len(items) > 1 else [logits]
 
+    def greedy_tokens(self, logits: torch.Tensor) -> list[int]:
+        """Each row's argmax of ``logits`` [n, V] (the first of equal maxima, as ``torch.argmax``), the mask token
+        left out as the decode loop leaves it out (it is never a prediction); ``logits`` are not changed.
+
+        Runners call it on the compute thread right after the pass: the rows were just written there and are still
+        in that core's cache, while the decode thread, on the other core after a pass that streamed ~100 MB of
+        weights through the caches, read a 49k-logit row in ~80-120 us instead of ~6 (measured, default model)."""
+        rows = logits.detach().numpy()
+        top = [int(i) for i in rows.argmax(-1)]
+        mask = self.mask_token_id
+        for r, token in enumerate(top):
+            if token == mask:  # rare (an untrained mask token): the row without it
+                row = rows[r].copy()
+                row[mask] = float("-inf")
+                top[r] = int(row.argmax())
+        return top
+
     def _segments(self, items: Sequence[BatchItem], *, biases: bool) -> list[_Segment]:
         segments: list[_Segment] = []
         row = 0

@@ -19,15 +19,23 @@ class FastRunner:
         self.cache = cache if cache is not None else model.new_cache()
         self.tokens: list[int] = []
         """The token ids whose keys and values the cache holds, in order."""
+        self.greedy: list[int] | None = None
+        """Each kept row's argmax (mask token left out) of the last forward, computed with it on the compute thread
+        (:meth:`FastModel.greedy_tokens`): the decode loop takes greedy tokens from here instead of reading the
+        logits again."""
 
     @property
     def length(self) -> int:
         return self.cache.length
 
     def forward(self, tokens: list[int], keep: int) -> torch.Tensor:
-        logits = compute().run(self.model.forward, tokens, self.cache, keep)  # [keep, V]
+        logits, self.greedy = compute().run(self._forward, tokens, keep)  # [keep, V]
         self.tokens += tokens
         return logits
+
+    def _forward(self, tokens: list[int], keep: int) -> tuple[torch.Tensor, list[int]]:
+        logits = self.model.forward(tokens, self.cache, keep)
+        return logits, self.model.greedy_tokens(logits)
 
     def drop(self, num_tokens: int) -> None:
         if num_tokens > 0:
