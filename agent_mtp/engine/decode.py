@@ -29,7 +29,7 @@ from agent_mtp.engine.acceptance import (
 from agent_mtp.engine.config import DecodeConfig
 from agent_mtp.engine.constraints import TokenConstraint
 from agent_mtp.engine.drafts import Draft, DraftSource, MTPDraftSource, NgramDraftSource
-from agent_mtp.engine.planner import Planner
+from agent_mtp.engine.planner import Plan, Planner
 from agent_mtp.engine.results import DecodeStats, FinishReason, StreamChunk
 from agent_mtp.engine.runner import Runner
 from agent_mtp.engine.text import TextTracker
@@ -135,7 +135,9 @@ def _one_pass(
     generator: torch.Generator | None,
     stats: DecodeStats,
 ) -> _PassResult:
-    plan = setup.planner.plan(len(state.pending), _drafts(state, cfg, budget, constraint), budget)
+    plan = _plain_if_hopeless(state, cfg, setup.planner, budget, constraint)
+    if plan is None:
+        plan = setup.planner.plan(len(state.pending), _drafts(state, cfg, budget, constraint), budget)
     draft, masks = plan.draft, plan.masks
     draft_tokens = plan.draft_tokens
     feed = state.pending + draft_tokens + [setup.mask_token_id] * masks
@@ -156,6 +158,28 @@ def _one_pass(
         state.pending = list(result.new_tokens)
     setup.planner.observe(plan, result.proposed_beyond_first, result.accepted_beyond_first)
     return result
+
+
+def _plain_if_hopeless(
+    state: _State, cfg: DecodeConfig, planner: Planner, budget: int, constraint: TokenConstraint | None
+) -> Plan | None:
+    """The plain pass when no draft could pay this pass (:meth:`Planner.plain_if_hopeless`), without asking the
+    sources; None to plan as usual. A constraint's forced text may be certain, so a grammar with a draft to offer
+    always plans."""
+    if cfg.mode != "verified" or not state.sources:
+        return None
+    if constraint is not None and "grammar" in cfg.drafts and _grammar_draft(constraint, budget - 1) is not None:
+        return None
+    rates = planner.rates
+    p_max = max([rates.ngram, rates.ngram_short] if "ngram" in cfg.drafts else [0.0])
+    if rates.positions:
+        p_max = max(p_max, *rates.positions)
+    if state.mtp.pending is not None:  # its tokens blend the masks' confidences in (up to 1)
+        p_max = max(p_max, 0.5 + 0.5 * max(rates.positions, default=0.5))
+    plan = planner.plain_if_hopeless(len(state.pending), p_max, budget - 1)
+    if plan is not None:
+        state.mtp.offer([], [])  # a pending mask block is valid for the next pass only: this one
+    return plan
 
 
 def _draft_sources(state: _State, cfg: DecodeConfig) -> list[DraftSource]:

@@ -18,7 +18,8 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+import itertools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from agent_mtp.engine.acceptance import expected_accepted
@@ -139,6 +140,25 @@ class Planner:
         k = self._choose_k(pending + length)
         return Plan(draft, min(k - 1, max(budget - 1 - length, 0)))
 
+    def plain_if_hopeless(self, pending: int, p_max: float, room: int) -> Plan | None:
+        """The plain pass (no draft, no masks) when nothing the draft sources could propose can beat it, else
+        None (then ask them and :meth:`plan`). Hopeless: a verified, cost-aware pass that does not explore, where
+        one more row adds more than ``p_max`` (the largest acceptance probability any draft token or mask could
+        have) and each further row adds at least as much: an option of n rows then expects at most n * p_max
+        more tokens for more than n * p_max more cost. Skips the sources' lookups and the search, which a
+        sequence beside 7 others ran on every pass (~90 us of Python there, after a pass that left the caches
+        cold) for passes where they never paid. ``room``: tokens left minus one."""
+        if not self.cost_aware or self.curve is None or room <= 0:
+            return None
+        if self.explore_every and (self._passes + 1) % self.explore_every == 0:
+            return None
+        costs = _marginal(self.curve.costs(pending, min(room, AUTO_K_CAP) + 1))
+        step = (costs[1] - costs[0]) * (1.0 - 1e-6)  # what every row adds at least (rounding of equal steps)
+        if p_max >= step or any(b - a < step for a, b in itertools.pairwise(costs)):
+            return None
+        self._passes += 1
+        return Plan(None, 0)
+
     def observe(self, plan: Plan, proposed: int, accepted: int) -> None:
         """``proposed`` tokens beyond the first were checked (draft or masks); the first ``accepted`` were kept."""
         if self.mode == "verified":
@@ -181,7 +201,7 @@ class Planner:
         cost = functools.cache(self.curve.cost)  # the options below ask for the same few sizes many times
         most_masks = max(self.k_cap - 1, 0)
         longest = max((min(len(c.tokens), room) for c in candidates), default=0)
-        costs = self.curve.costs(pending, longest + max(min(most_masks, room), 0) + 1)  # [i]: pending + i rows
+        costs = _marginal(self.curve.costs(pending, longest + max(min(most_masks, room), 0) + 1))  # [i]: + i rows
         # A pass costs at least as much with more rows (every curve the engine builds): then, for one draft option,
         # once even its largest value over this pass's cost cannot beat the best, no more masks can.
         prune = list(costs) == sorted(costs)  # (a kept range is a tuple)
@@ -214,11 +234,11 @@ class Planner:
 
     def _explore_masks(self, pending: int, length: int, room: int, cost: Callable[[int], float]) -> int:
         """Masks an exploring pass adds to a draft of ``length``: as many as fit in the exploration allowance,
-        which is measured against the plain pass (``pending`` tokens), so that exploring costs at most
-        EXPLORE_OVERHEAD on average however long the draft is, and fewer masks when rows are dear (a pass shared
-        with other sequences)."""
+        which is measured against a one-token pass (what a decode pass of this sequence costs), so that exploring
+        costs at most EXPLORE_OVERHEAD on average however long the draft or the pass is (a prefill's own cost is
+        no allowance for rows), and fewer masks when rows are dear (a pass shared with other sequences)."""
         fed = pending + length
-        allowance = EXPLORE_OVERHEAD * self.explore_every * cost(pending)
+        allowance = EXPLORE_OVERHEAD * self.explore_every * cost(1)
         most = max(min(self.k_cap - 1, room - length), 0)
         masks = 0
         while masks < most and cost(fed + masks + 1) - cost(fed) <= allowance:
@@ -229,6 +249,18 @@ class Planner:
 def needs_cost_curve(cfg: DecodeConfig) -> bool:
     """True when the planner of ``cfg`` reads the cost curve (so an engine measures it only then)."""
     return (cfg.k_max == "auto" and cfg.mode != "ntp") or (cfg.mode == "verified" and cfg.cost_aware)
+
+
+def _marginal(costs: Sequence[float]) -> Sequence[float]:
+    """A pass's costs with ``i`` extra rows (``costs[0]``: the pass without them) as a one-token pass would carry
+    them: ``1 + costs[i] - costs[0]``. The same costs where the pass feeds one token (cost 1); where it feeds many
+    (a prefill, forced tokens), the rows are priced at what they add, not against the pass's own large cost, which
+    made masks look nearly free on a prefill beside 7 other sequences (4 masks on an 86-token prefill whose every
+    row costs the batch as much as a decode pass of this sequence; measured, 8 clients in-process)."""
+    if not costs or costs[0] == 1.0:
+        return costs
+    base = costs[0] - 1.0
+    return [c - base for c in costs]
 
 
 def _cumulative(rates: list[float]) -> list[float]:

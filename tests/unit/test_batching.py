@@ -219,3 +219,28 @@ def test_a_pass_waits_for_a_sequence_still_in_its_decode_step(engine: MTPEngine)
         second.close()
     finally:
         batched.close()
+
+
+def test_a_neighbours_prefill_does_not_count_as_its_next_load(engine: MTPEngine) -> None:
+    """The load a sequence plans against is what the others will feed next: a neighbour that just prefilled 40
+    tokens feeds one row or a few next, not 40 (which made every extra row look nearly free); after a decode pass,
+    its rows as fed."""
+    batched = BatchedEngine(engine)
+    scheduler = batched.scheduler
+    assert scheduler is not None
+    try:
+        planner_side, neighbour = scheduler.runner(), scheduler.runner()
+        thread = threading.Thread(target=neighbour.forward, args=(_ids(40, 3), 1))
+        thread.start()
+        planner_side.forward(_ids(5, 4), 1)
+        thread.join(timeout=30)
+        assert scheduler.load(planner_side) == (1, 1)
+        thread = threading.Thread(target=neighbour.forward, args=(_ids(3, 5), 3))
+        thread.start()
+        planner_side.forward([7], 1)
+        thread.join(timeout=30)
+        assert scheduler.load(planner_side) == (1, 3)  # a decode pass of 3 rows (a draft): its rows
+        planner_side.close()
+        neighbour.close()
+    finally:
+        batched.close()

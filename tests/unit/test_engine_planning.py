@@ -314,7 +314,8 @@ def _brute_force_plan(planner: Planner, pending: int, drafts: list[Draft], room:
             expected += p_all
         for masks in range(max(min(planner.k_cap - 1, room - len(tokens)), 0) + 1):
             future = p_all * (gains[masks - 1] if masks else 0.0) * FUTURE_CREDIT
-            score = (1.0 + expected + future) / planner.curve.cost(pending + len(tokens) + masks)
+            extra = planner.curve.cost(pending + len(tokens) + masks) - planner.curve.cost(pending)
+            score = (1.0 + expected + future) / (1.0 + extra)  # extra rows at what they add to the pass
             if score > best[0] + 1e-12:
                 best = (score, tokens, masks)
     return best[2], best[1]
@@ -343,10 +344,59 @@ def test_verified_planning_picks_what_scoring_every_option_picks() -> None:
             else:
                 confidences = tuple(rng.choice([1.0, rng.random()]) for _ in range(length))
                 drafts.append(Draft(tokens, source, 1.0, confidences))
-        pending, room = rng.randint(1, 4), rng.randint(0, 24)
+        pending, room = rng.choice([1, 1, 2, 3, 4, 40, 300]), rng.randint(0, 24)
         masks, tokens = _brute_force_plan(planner, pending, drafts, room)
         plan = planner.plan(pending, drafts, room + 1)
         assert (plan.masks, tuple(plan.draft_tokens)) == (masks, tokens)
+
+
+def test_a_long_pass_prices_its_extra_rows_at_what_they_add() -> None:
+    """A prefill beside 7 other sequences costs ~80 one-token passes, and each extra row ~0.93 of one: masks must
+    be priced at that, not against the prefill's own cost (where they looked nearly free: 4 masks, measured)."""
+    points = tuple((n, 1.0 + 0.93 * (n - 1)) for n in (1, 2, 4, 8, 16, 32, 64, 128))
+    planner = verify_planner(CostCurve(points), 4, [0.6, 0.6, 0.6])
+    planner.explore_every = 0
+    assert planner.plan(86, [], 64).masks == 0
+    assert planner.plan(1, [], 64).masks == 0  # the same rows after one token: priced alike
+    cheap = verify_planner(
+        CostCurve(tuple((n, 1.0 + 0.02 * (n - 1)) for n in (1, 2, 4, 8, 16, 32, 64, 128))), 4, [0.6] * 3
+    )
+    cheap.explore_every = 0
+    assert cheap.plan(86, [], 64).masks == 3  # where rows are nearly free (one sequence, a long pass) they still pay
+
+
+def test_a_hopeless_pass_is_one_no_draft_could_win() -> None:
+    """Where the planner declares a pass hopeless before the sources are asked (every acceptance probability below
+    what one more row adds, rows no cheaper further on), scoring every option of any draft the sources could
+    propose picks the plain pass; and the check does fire where rows are dear."""
+    import random
+
+    rng = random.Random(11)
+    fired = 0
+    for _ in range(400):
+        points, cost, slope = [(1, 1.0)], 1.0, rng.uniform(0.0, 1.2)
+        for n in (2, 4, 8, 16, 32):
+            slope = slope * rng.uniform(0.9, 1.3)  # mostly growing: convex, as shared passes are
+            cost += slope * (n - points[-1][0])
+            points.append((n, cost))
+        k_cap = rng.choice([2, 4, 8])
+        planner = verify_planner(CostCurve(tuple(points)), k_cap, [rng.random() for _ in range(k_cap - 1)])
+        planner.rates.ngram, planner.rates.ngram_short = rng.random(), rng.random()
+        pending, room = rng.choice([1, 1, 2, 40]), rng.randint(0, 24)
+        p_max = max(planner.rates.ngram, planner.rates.ngram_short, *planner.rates.positions)
+        mtp_p_max = max(p_max, 0.5 + 0.5 * max(planner.rates.positions))
+        if planner.plain_if_hopeless(pending, mtp_p_max, room) is None:
+            continue
+        fired += 1
+        for _ in range(5):
+            length = rng.randint(1, 10)
+            tokens = tuple(rng.randrange(100) for _ in range(length))
+            drafts = [
+                Draft(tokens, "ngram", 1.0, match=rng.randint(1, 3)),
+                Draft(tokens, "mtp", 1.0, tuple(rng.random() for _ in range(length))),
+            ]
+            assert _brute_force_plan(planner, pending, drafts, room) == (0, ())
+    assert fired > 40
 
 
 def test_the_decode_loops_argmax_is_torchs() -> None:
@@ -361,3 +411,40 @@ def test_the_decode_loops_argmax_is_torchs() -> None:
     for view in (rows, rows[1:4], rows[:, 100:], rows.t().contiguous().t()):
         assert _argmax(view) == view.argmax(-1).tolist()
     assert _argmax(rows.double()) == rows.argmax(-1).tolist()  # other dtypes take torch's
+
+
+def test_where_rows_are_dear_the_sources_are_not_asked_and_the_output_stays(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A verified generation whose every extra row costs more than any draft could return (a pass shared with many
+    sequences) skips the draft sources' lookups on its non-exploring passes; its tokens stay the engine's NTP."""
+    from agent_mtp.engine.config import DecodeConfig
+    from agent_mtp.engine.fast import FastRunner
+    from tests.tiny import tiny_engine
+
+    engine = tiny_engine(adapter=True)
+    dear = CostCurve(tuple((n, 1.0 + 1.1 * (n - 1)) for n in (1, 2, 4, 8, 16, 32)))
+
+    class Shared(FastRunner):
+        def share_curve(self, base: CostCurve) -> CostCurve:
+            return dear
+
+    asked: list[int] = []
+    propose = NgramDraftSource.propose
+
+    def counting(self: NgramDraftSource, context: list[int], max_len: int) -> Draft | None:
+        asked.append(len(context))
+        return propose(self, context, max_len)
+
+    monkeypatch.setattr(NgramDraftSource, "propose", counting)
+    prompt = list(range(5, 25)) * 3
+    cfg = DecodeConfig(mode="verified", max_new_tokens=24, prefix_cache=False)
+    runner = engine.new_runner()
+    assert isinstance(runner, FastRunner)
+    shared = Shared(runner.model)
+    result = engine.generate(prompt, cfg, runner=shared)
+    ntp = engine.generate(prompt, DecodeConfig(mode="ntp", max_new_tokens=24, prefix_cache=False))
+    assert result.token_ids == ntp.token_ids
+    assert result.stats.forward_passes == len(result.token_ids)  # every pass a plain one
+    assert 0 < len(asked) <= result.stats.forward_passes // 4  # only the exploring passes (every 8th) ask
+    asked.clear()
+    engine.generate(prompt, cfg)  # alone, rows are cheap: every pass asks
+    assert len(asked) >= 8
