@@ -8,10 +8,13 @@
   passes, not in time (on a CPU an 18-token pass costs ~2x a 1-token pass), so each pass maximises
 
       value = 1 + E[accepted draft tokens] + P(whole draft accepted) * E[next MTP draft] * FUTURE_CREDIT
-      cost  = cost_curve(pending + draft length + masks)
+      cost  = 1 + cost_curve(pending + draft length + masks) - cost_curve(pending)
 
-  over {no draft, each source's draft} x their prefixes x mask counts. A weak adapter is used sparingly and a
-  strong one fully, without any setting changing; output stays exact whatever is chosen.
+  (value / cost) over {no draft, each source's draft} x their prefixes x mask counts: the extra rows at what they
+  add to the pass, as a one-token pass carries them (a prefill's own cost does not make them cheap). A weak
+  adapter is used sparingly and a strong one fully, without any setting changing; output stays exact whatever is
+  chosen. Where no option could beat the plain pass (:meth:`Planner.plain_if_hopeless`) the sources are not
+  asked.
 * ``verified``, not cost-aware: the best-scoring draft and ``k_max - 1`` masks (the k rule above with "auto").
 """
 
