@@ -155,7 +155,8 @@ class Planner:
             return None
         if self.explore_every and (self._passes + 1) % self.explore_every == 0:
             return None
-        costs = _marginal(self.curve.costs(pending, min(room, AUTO_K_CAP) + 1))
+        # every option's rows: a draft (at most AUTO_K_CAP - 1 mask tokens, or a 10-token n-gram) plus masks
+        costs = _marginal(self.curve.costs(pending, min(room, 2 * AUTO_K_CAP) + 1))
         step = (costs[1] - costs[0]) * (1.0 - 1e-6)  # what every row adds at least (rounding of equal steps)
         if p_max >= step or any(b - a < step for a, b in itertools.pairwise(costs)):
             return None
