@@ -68,6 +68,11 @@ forms rebuild twice the weights per instruction: 1.2-1.5x faster per product on 
 on Zen 4 (which splits 512-bit instructions in two)."""
 
 
+AMX_ENV = "AGENT_MTP_AMX"
+"""Set to 0 to keep the AVX kernels on a CPU with AMX-INT8 (unset or 1: every block pass multiplies on AMX tiles,
+:func:`tiles_active`)."""
+
+
 class Wide(enum.IntFlag):
     """Which kernel classes run their AVX-512 forms (the bits of ``avx512_forms`` in kernels/blockq.cpp)."""
 
@@ -164,6 +169,31 @@ def avx512(enable: bool | Wide) -> Iterator[bool]:
         switch(before)
 
 
+def tiles_wanted() -> bool:
+    """Whether weights get an AMX tile layout: the kernels are loaded, the CPU has AMX-INT8 and :data:`AMX_ENV` does
+    not switch them off."""
+    return _switched_on(AMX_ENV) and kernels_available() and bool(torch.ops.agent_mtp_blockq.amx_supported())
+
+
+def tiles_active() -> bool:
+    """Whether block passes with a tile layout multiply on AMX tiles in this process right now."""
+    return kernels_available() and bool(torch.ops.agent_mtp_blockq.amx_tiles(-1))
+
+
+@contextlib.contextmanager
+def amx(enable: bool) -> Iterator[bool]:
+    """Multiply on AMX tiles (where the weights have a tile layout and the CPU has AMX-INT8) or with the AVX kernels
+    inside the block, process-wide, for benchmarks and tests that compare them. Yields whether tiles are in use."""
+    if not kernels_available():
+        raise ConfigError("The block-weight kernels are not loaded in this process; there are no AMX tiles to pick.")
+    switch = torch.ops.agent_mtp_blockq.amx_tiles
+    before = bool(switch(-1))
+    try:
+        yield bool(switch(int(enable)))
+    finally:
+        switch(int(before))
+
+
 @functools.cache
 def kernels_available() -> bool:
     """Whether the block kernels are loaded in this process (compiled into the cache directory on first use)."""
@@ -173,6 +203,7 @@ def kernels_available() -> bool:
             torch.ops.load_library(str(_compiled_library()))
             pinned = pinned_forms()
             torch.ops.agent_mtp_blockq.avx512_forms(int(Wide.ALL if pinned is None else pinned))
+            torch.ops.agent_mtp_blockq.amx_tiles(int(_switched_on(AMX_ENV)))
             return True
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             reason = f"building or loading them failed: {str(e).strip()[:500]}"
@@ -184,6 +215,8 @@ def kernel_tag() -> str:
     """A short name of the weight path passes take (part of the cost curve's cache key)."""
     if not (enabled() and kernels_available()):
         return "fp32"
+    if tiles_active():
+        return "blockq6-amx"
     forms = avx512_forms()  # 5: AVX-512 forms chosen per kernel class (4: attention by key chunks)
     return {Wide.NONE: "blockq5", Wide.ALL: "blockq5-avx512"}.get(forms, f"blockq5-avx512{(forms.name or '').lower()}")
 
@@ -285,6 +318,52 @@ def _q8_0_lanes(q8: torch.Tensor) -> torch.Tensor:
     return by_group.permute(0, 2, 3, 1).contiguous().reshape(rows // GROUP, -1)
 
 
+TILE_FEATURES = 16
+"""Output features per AMX tile record (``tiles::kFeatures`` in kernels/blockq.cpp)."""
+
+
+def _by_records(t: torch.Tensor) -> torch.Tensor:
+    """[out, blocks, ...] -> [ceil(out / 16), blocks, 16, ...], the last record padded with zero features."""
+    out = int(t.shape[0])
+    padded = -(-out // TILE_FEATURES) * TILE_FEATURES
+    if padded != out:
+        t = torch.cat([t, t.new_zeros(padded - out, *t.shape[1:])])
+    return t.reshape(padded // TILE_FEATURES, TILE_FEATURES, *t.shape[1:]).transpose(1, 2)
+
+
+def _tile_order(q: torch.Tensor) -> torch.Tensor:
+    """Quants [out, blocks, 32] -> [records, blocks, 8, 64]: per record and block the B tile of a 32-deep block, tile
+    row kk holding, for each of the 16 features, its inputs 4kk..4kk+3."""
+    by_record = _by_records(q)  # [records, blocks, 16, 32]
+    records, blocks = int(by_record.shape[0]), int(by_record.shape[1])
+    words = by_record.reshape(records, blocks, TILE_FEATURES, 8, 4)  # [.., feature, kk, 4 inputs]
+    return words.permute(0, 1, 3, 2, 4).reshape(records, blocks, 8, 64)
+
+
+def _as_bytes(t: torch.Tensor, records: int, blocks: int) -> torch.Tensor:
+    """float32 [out, blocks] -> per record and block the 16 features' values as 64 bytes."""
+    return _by_records(t[..., None]).reshape(records, blocks, TILE_FEATURES).contiguous().view(torch.uint8)
+
+
+def _q4_1_tiles(q4: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+    """Q4_1 as tile records [records, blocks * 384] uint8: per record and block 256 bytes of quants (B-tile rows 2c
+    and 2c + 1 in the low and high nibbles of bytes 64c..64c + 63), then d and m of the 16 features."""
+    rows = _tile_order(q4)  # [records, blocks, 8, 64]
+    records, blocks = int(rows.shape[0]), int(rows.shape[1])
+    nibbles = rows[:, :, 0::2] | (rows[:, :, 1::2] << 4)  # [records, blocks, 4, 64]
+    parts = [nibbles.reshape(records, blocks, 256), _as_bytes(scale, records, blocks), _as_bytes(low, records, blocks)]
+    return torch.cat(parts, -1).reshape(records, -1).contiguous()
+
+
+def _q8_0_tiles(q8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Q8_0 as tile records [records, blocks * 576] uint8: per record and block the 8 B-tile rows (512 bytes), then
+    d of the 16 features."""
+    rows = _tile_order(q8.view(torch.uint8))
+    records, blocks = int(rows.shape[0]), int(rows.shape[1])
+    parts = [rows.reshape(records, blocks, 512), _as_bytes(scale, records, blocks)]
+    return torch.cat(parts, -1).reshape(records, -1).contiguous()
+
+
 def _grouped(t: torch.Tensor) -> torch.Tensor:
     """[rows, blocks, per_block] -> the kernels' layout [rows / 8, blocks, 8, per_block], flattened to [rows, -1]."""
     rows, blocks, per_block = t.shape
@@ -312,6 +391,9 @@ class BlockWeights:
     """The quants again, feature-interleaved for the lane kernels that passes of :data:`LANE_ROWS` rows or more take:
     per group of 8 features, block and position, one 32-bit word (Q4_1: feature f in bits 4f..4f+3) or 8 bytes
     (Q8_0)."""
+    tiles: torch.Tensor | None = None
+    """The blocks as AMX tile records (:func:`_tile_records`), which every pass multiplies where the CPU has AMX-INT8
+    (:func:`tiles_active`); None elsewhere."""
 
     @property
     def nbytes(self) -> int:
@@ -331,10 +413,10 @@ class BlockWeights:
         if self.kind == "q4_1":
             assert self.minimum is not None
             return torch.ops.agent_mtp_blockq.q4_1_linear(  # type: ignore[no-any-return]
-                x, self.qs, self.scale, self.minimum, extra, residual, lanes=self.lanes
+                x, self.qs, self.scale, self.minimum, extra, residual, lanes=self.lanes, tiles=self.tiles
             )
         return torch.ops.agent_mtp_blockq.q8_0_linear(  # type: ignore[no-any-return]
-            x, self.qs, self.scale, extra, residual, lanes=self.lanes
+            x, self.qs, self.scale, extra, residual, lanes=self.lanes, tiles=self.tiles
         )
 
     def __call__(self, x: torch.Tensor, extra: torch.Tensor | None = None, norm: Norm | None = None) -> torch.Tensor:
@@ -346,10 +428,12 @@ class BlockWeights:
         if self.kind == "q4_1":
             assert self.minimum is not None
             y = torch.ops.agent_mtp_blockq.q4_1_linear(
-                x, self.qs, self.scale, self.minimum, extra, None, weight, eps, self.lanes
+                x, self.qs, self.scale, self.minimum, extra, None, weight, eps, self.lanes, self.tiles
             )
         else:
-            y = torch.ops.agent_mtp_blockq.q8_0_linear(x, self.qs, self.scale, extra, None, weight, eps, self.lanes)
+            y = torch.ops.agent_mtp_blockq.q8_0_linear(
+                x, self.qs, self.scale, extra, None, weight, eps, self.lanes, self.tiles
+            )
         padded = int(self.qs.shape[0])
         if padded != self.out_features:
             y = y[:, : self.out_features] if extra is None else torch.cat([y[:, : self.out_features], y[:, padded:]], 1)
@@ -380,11 +464,13 @@ def _recover_blocks(weight: torch.Tensor) -> BlockWeights | None:
     if int((~ok).sum()) <= limit:
         packed = (q4[..., :16] | (q4[..., 16:] << 4)).contiguous()
         found = _with_exceptions("q4_1", weight, packed, scale, low, ok, out_features)
-        return dataclasses.replace(found, lanes=_q4_1_lanes(q4))
+        tiles = _q4_1_tiles(q4[:out_features], scale[:out_features], low[:out_features]) if tiles_wanted() else None
+        return dataclasses.replace(found, lanes=_q4_1_lanes(q4), tiles=tiles)
     q8, scale8, ok8 = _q8_0_blocks(blocks)
     if int((~ok8).sum()) <= limit:
         found = _with_exceptions("q8_0", weight, q8.view(torch.uint8), scale8, None, ok8, out_features)
-        return dataclasses.replace(found, lanes=_q8_0_lanes(q8))
+        tiles = _q8_0_tiles(q8[:out_features], scale8[:out_features]) if tiles_wanted() else None
+        return dataclasses.replace(found, lanes=_q8_0_lanes(q8), tiles=tiles)
     return None
 
 

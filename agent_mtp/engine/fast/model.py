@@ -232,7 +232,7 @@ class FastModel:
             return 0
         rows = blockq.pinned_rows()
         large = sum(linear.nbytes() for linear in linears) >= CROSSOVER_BYTES
-        if large:  # the kernel form first: the crossover is measured on the form that will serve
+        if large and not blockq.tiles_active():  # the kernel form first: the crossover is measured on it
             blockq.settle_avx512(lambda: measure_avx512(linears))
         if rows is None and large:
             rows = measure_block_rows(linears)
@@ -478,7 +478,7 @@ class FastModel:
 
 
 def _fused_weights(layers: Sequence[_Layer]) -> list[torch.Tensor] | None:
-    """The 26 tensors per layer ``decode_layers`` reads (kernels/blockq.cpp), or None where a layer is not plain
+    """The 30 tensors per layer ``decode_layers`` reads (kernels/blockq.cpp), or None where a layer is not plain
     Q4_1 blocks (no bias, no q/k norm, nothing padded or computed apart): those passes run :meth:`FastModel._layer`."""
     fused: list[torch.Tensor] = []
     none = torch.empty(0)
@@ -497,6 +497,9 @@ def _fused_weights(layers: Sequence[_Layer]) -> list[torch.Tensor] | None:
             fused += [blocks.qs, blocks.scale, blocks.minimum, extra if extra is not None else none]
             fused.append(proj.b_t if proj.b_t is not None else none)
             fused.append(blocks.lanes if blocks.lanes is not None else none)
+        for proj in (layer.qkv, layer.o, layer.gate_up, layer.down):
+            tiles = proj.linear.blocks.tiles if proj.linear.blocks is not None else None
+            fused.append(tiles if tiles is not None else none)
     return fused
 
 

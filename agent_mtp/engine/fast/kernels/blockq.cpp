@@ -18,8 +18,11 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/silu.h>
 #include <ATen/ops/view_as_real.h>
+#include <cpuid.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
 #include <torch/library.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -447,6 +450,275 @@ int64_t avx512_forms(int64_t request) {
   return g_wide.load();
 }
 
+// ---- AMX tiles (where the CPU has AMX-INT8) ------------------------------------------------------------------------
+// Intel's AMX multiplies 8-bit integer tiles at ~1,000 multiply-adds per cycle, summed exactly in 32-bit integers.
+// A block's quants are integers, so sum_i q_i x_i needs only x in integers too, with no precision lost where it
+// matters: each row's block of 32 inputs is put on a fixed-point grid of 24 bits under the block's largest magnitude
+// (X_i = round(x_i 2^(23 - e)), |x_i| < 2^e, the rounding error at most half of 2^(e - 23): an element at the
+// block's top exponent keeps 23 of its 24 bits, as a float32 product's rounding would), and X is split into one
+// signed and two unsigned bytes (X = a0 2^16 + a1 2^8 + a2). Three tile products (signed x unsigned for a0, unsigned x
+// unsigned for a1 and a2; Q8_0's signed quants: signed x signed and unsigned x signed) give the exact integer sums
+// C_j = sum_i a_ji q_i, and per output, block and row the float32 result is
+//   t = (C2 + 256 C1) + 65536 C0, y += t * (d 2^(e - 23)) + m * sum_i x_i      (Q8_0: no m term)
+// in that order, with fused multiply-adds; sum_i x_i is summed in float32 in a fixed order. Every output is one fixed
+// sequence of operations on its own row's inputs whatever the pass size or the rows beside it, as in the kernel
+// classes above (the numbers differ from theirs in the last bits: the products are exact here, rounded there).
+//
+// Weights: per 16 output features and block one record, Q4_1 [256 bytes of quants | d x 16 | m x 16] and Q8_0
+// [512 bytes of quants | d x 16]: the quants in the B-tile order of a 32-deep block (8 tile rows of 16 features x 4
+// consecutive inputs), Q4_1's two tile rows 2c and 2c + 1 in the low and high nibbles of 64 bytes c.
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,amx-tile,amx-int8")
+namespace tiles {
+
+constexpr int64_t kFeatures = 16;   // outputs per record (a tile's 16 int32 columns)
+constexpr int64_t kQ41Record = 256 + 2 * 64, kQ80Record = 512 + 64;
+constexpr int kChunk = 8;           // rows per tile product: a0 rows fill 8 tile rows, a1 / a2 rows 16
+
+struct alignas(64) Config {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles: 0 = B (quants), 1 = A (a0 of the chunk's rows), 2 = A (a1, a2 interleaved by row), 3 = C of 1, 4 = C of 2;
+// 5-7: B and the two C of a second record stream (chunk_product).
+inline void configure(int chunk) {
+  Config c;
+  c.rows[0] = 8, c.colsb[0] = 64;
+  c.rows[1] = chunk, c.colsb[1] = 32;
+  c.rows[2] = 2 * chunk, c.colsb[2] = 32;
+  c.rows[3] = chunk, c.colsb[3] = 64;
+      c.rows[4] = 2 * chunk, c.colsb[4] = 64;
+  c.rows[5] = 8, c.colsb[5] = 64;  // 5-7: B, C of a1 and C of a2, a2 of the second stream
+  c.rows[6] = chunk, c.colsb[6] = 64;
+  c.rows[7] = 2 * chunk, c.colsb[7] = 64;
+  _tile_loadconfig(&c);
+}
+
+// A pass's inputs on each block's grid: a0 [blocks][rows][32] int8, a12 [blocks][rows][2][32] uint8, and per row and
+// block the grid step 2^(e - 23) and the float32 sum of the inputs.
+struct Grid {
+  std::vector<int8_t> a0;
+  std::vector<uint8_t> a12;
+  std::vector<float> step, sum;  // [rows][blocks]
+};
+
+// sum of 32 floats as ((v0 + v1) lane sums, reduced in a fixed order).
+inline float block_sum(__m512 v0, __m512 v1) { return _mm512_reduce_add_ps(_mm512_add_ps(v0, v1)); }
+
+Grid on_grid(const float* x, int64_t rows, int64_t k) {
+  const int64_t blocks = k / kBlock;
+  Grid g;
+  g.a0.resize(static_cast<size_t>(blocks * rows * kBlock));
+  g.a12.resize(static_cast<size_t>(blocks * rows * 2 * kBlock));
+  g.step.resize(static_cast<size_t>(rows * blocks));
+  g.sum.resize(static_cast<size_t>(rows * blocks));
+  const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
+  const __m512i top = _mm512_set1_epi32((1 << 23) - 1), bottom = _mm512_set1_epi32(-(1 << 23));
+  const __m512i byte = _mm512_set1_epi32(0xFF);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t b = 0; b < blocks; ++b) {
+      const float* xb = x + r * k + b * kBlock;
+      const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
+      const float peak = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(v0, abs_mask), _mm512_and_ps(v1, abs_mask)));
+      g.sum[r * blocks + b] = block_sum(v0, v1);
+      int e = 0;
+      const bool usable = std::isfinite(peak) && peak > 0.0f;
+      if (usable) std::frexp(peak, &e);  // peak < 2^e
+      g.step[r * blocks + b] = usable ? std::ldexp(1.0f, e - 23) : 0.0f;
+      const __m512 shift = _mm512_set1_ps(static_cast<float>(23 - e));
+      int8_t* a0 = g.a0.data() + (b * rows + r) * kBlock;
+      uint8_t* a12 = g.a12.data() + (b * rows + r) * 2 * kBlock;
+      for (int h = 0; h < 2; ++h) {
+        __m512i q = _mm512_setzero_si512();
+        if (usable) {
+          // x 2^(23 - e) is exact (a power of two); round to nearest even, keep inside the 24-bit grid
+          q = _mm512_cvtps_epi32(_mm512_scalef_ps(h == 0 ? v0 : v1, shift));
+          q = _mm512_max_epi32(_mm512_min_epi32(q, top), bottom);
+        }
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(a0 + 16 * h), _mm512_cvtepi32_epi8(_mm512_srai_epi32(q, 16)));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(a12 + 16 * h),
+                         _mm512_cvtepi32_epi8(_mm512_and_si512(_mm512_srli_epi32(q, 8), byte)));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(a12 + kBlock + 16 * h),
+                         _mm512_cvtepi32_epi8(_mm512_and_si512(q, byte)));
+      }
+    }
+  return g;
+}
+
+// Q4_1 quants of one record's block -> the B tile's 512 bytes (low nibbles: rows 2c, high: rows 2c + 1).
+inline void unpack_q4(const uint8_t* rec, uint8_t* out) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int c = 0; c < 4; ++c) {
+    const __m512i v = _mm512_loadu_si512(rec + 64 * c);
+    _mm512_store_si512(out + 128 * c, _mm512_and_si512(v, low));
+    _mm512_store_si512(out + 128 * c + 64, _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
+  }
+}
+
+// acc[i] += the block's exact sums (C0 of row i at c0 + 16 i, C1 / C2 at c12 + 32 i / + 16) scaled as above.
+template <bool kQ4, int kRows>
+inline void scale_into(__m512* acc, const int32_t* c0, const int32_t* c12, const uint8_t* rec, const float* step,
+                       const float* sum, int64_t blocks) {
+  const __m512 d = _mm512_loadu_ps(reinterpret_cast<const float*>(rec + (kQ4 ? 256 : 512)));
+  const __m512 m = kQ4 ? _mm512_loadu_ps(reinterpret_cast<const float*>(rec + 320)) : _mm512_setzero_ps();
+#pragma GCC unroll 8
+  for (int i = 0; i < kRows; ++i) {
+    __m512 t = _mm512_cvtepi32_ps(_mm512_load_si512(c12 + 32 * i + 16));
+    t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c12 + 32 * i)), _mm512_set1_ps(256.0f), t);
+    t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c0 + 16 * i)), _mm512_set1_ps(65536.0f), t);
+    acc[i] = _mm512_fmadd_ps(t, _mm512_mul_ps(d, _mm512_set1_ps(step[i * blocks])), acc[i]);
+    if constexpr (kQ4) acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(sum[i * blocks]), acc[i]);
+  }
+}
+
+// y[i, 0:16] (and y[i, 16:32] for a pair) (+)= rows r0 + i (i < kRows) of the grid against one or two record streams
+// (16 features each, every block). Both streams share the block's A tiles; tiles 0-4 serve stream a, 5-7 stream b,
+// so the two streams' products and scaling overlap; a Q4_1 block is unpacked one block ahead of its product.
+template <bool kQ4, int kRows, bool kPair>
+inline void chunk_product(const Grid& g, int64_t rows, int64_t r0, int64_t blocks, const uint8_t* rec_a,
+                          const uint8_t* rec_b, float* y, int64_t ldy, bool add, __mmask16 keep_b) {
+  alignas(64) uint8_t quants[2][2][512];
+  alignas(64) int32_t c0[2][kChunk * 16], c12[2][2 * kChunk * 16];
+  __m512 acc_a[kRows], acc_b[kRows];
+  for (int i = 0; i < kRows; ++i) acc_a[i] = acc_b[i] = _mm512_setzero_ps();
+  constexpr int64_t record = kQ4 ? kQ41Record : kQ80Record;
+  if constexpr (kQ4) {
+    unpack_q4(rec_a, quants[0][0]);
+    if constexpr (kPair) unpack_q4(rec_b, quants[0][1]);
+  }
+  const float* step = g.step.data() + r0 * blocks;
+  const float* sum = g.sum.data() + r0 * blocks;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* ra = rec_a + b * record;
+    const uint8_t* rb = kPair ? rec_b + b * record : nullptr;
+    const int now = static_cast<int>(b & 1);
+    if constexpr (kQ4) {
+      if (b + 1 < blocks) {
+        unpack_q4(ra + record, quants[now ^ 1][0]);
+        if constexpr (kPair) unpack_q4(rb + record, quants[now ^ 1][1]);
+      }
+      _tile_loadd(0, quants[now][0], 64);
+      if constexpr (kPair) _tile_loadd(5, quants[now][1], 64);
+    } else {
+      _tile_loadd(0, ra, 64);
+      if constexpr (kPair) _tile_loadd(5, rb, 64);
+    }
+    _tile_loadd(1, g.a0.data() + (b * rows + r0) * kBlock, kBlock);
+    _tile_loadd(2, g.a12.data() + (b * rows + r0) * 2 * kBlock, kBlock);
+    _tile_zero(3);
+    _tile_zero(4);
+    if constexpr (kQ4) {
+      _tile_dpbsud(3, 1, 0);
+      _tile_dpbuud(4, 2, 0);
+    } else {
+      _tile_dpbssd(3, 1, 0);
+      _tile_dpbusd(4, 2, 0);
+    }
+    if constexpr (kPair) {
+      _tile_zero(6);
+      _tile_zero(7);
+      if constexpr (kQ4) {
+        _tile_dpbsud(6, 1, 5);
+        _tile_dpbuud(7, 2, 5);
+      } else {
+        _tile_dpbssd(6, 1, 5);
+        _tile_dpbusd(7, 2, 5);
+      }
+    }
+    _tile_stored(3, c0[0], 64);
+    _tile_stored(4, c12[0], 64);
+    if constexpr (kPair) {
+      _tile_stored(6, c0[1], 64);
+      _tile_stored(7, c12[1], 64);
+    }
+    scale_into<kQ4, kRows>(acc_a, c0[0], c12[0], ra, step + b, sum + b, blocks);
+    if constexpr (kPair) scale_into<kQ4, kRows>(acc_b, c0[1], c12[1], rb, step + b, sum + b, blocks);
+  }
+  for (int i = 0; i < kRows; ++i) {
+    float* yr = y + i * ldy;
+    _mm512_storeu_ps(yr, add ? _mm512_add_ps(_mm512_loadu_ps(yr), acc_a[i]) : acc_a[i]);
+    if constexpr (kPair)
+      _mm512_mask_storeu_ps(yr + 16, keep_b, add ? _mm512_add_ps(_mm512_maskz_loadu_ps(keep_b, yr + 16), acc_b[i]) : acc_b[i]);
+  }
+}
+
+template <bool kQ4, bool kPair>
+inline void rows_of(int chunk, const Grid& g, int64_t rows, int64_t r0, int64_t blocks, const uint8_t* ra,
+                    const uint8_t* rb, float* y, int64_t ldy, bool add, __mmask16 keep) {
+  switch (chunk) {
+    case 8: chunk_product<kQ4, 8, kPair>(g, rows, r0, blocks, ra, rb, y, ldy, add, keep); break;
+    case 7: chunk_product<kQ4, 7, kPair>(g, rows, r0, blocks, ra, rb, y, ldy, add, keep); break;
+    case 6: chunk_product<kQ4, 6, kPair>(g, rows, r0, blocks, ra, rb, y, ldy, add, keep); break;
+    case 5: chunk_product<kQ4, 5, kPair>(g, rows, r0, blocks, ra, rb, y, ldy, add, keep); break;
+    case 4: chunk_product<kQ4, 4, kPair>(g, rows, r0, blocks, ra, rb, y, ldy, add, keep); break;
+    case 3: chunk_product<kQ4, 3, kPair>(g, rows, r0, blocks, ra, rb, y, ldy, add, keep); break;
+    case 2: chunk_product<kQ4, 2, kPair>(g, rows, r0, blocks, ra, rb, y, ldy, add, keep); break;
+    default: chunk_product<kQ4, 1, kPair>(g, rows, r0, blocks, ra, rb, y, ldy, add, keep); break;
+  }
+}
+
+// Outputs f0..f0 + features (1-32: one record stream, or two side by side) for every row; ``configured``: the chunk
+// size the calling thread's tiles are configured for (0: none yet).
+template <bool kQ4>
+void records_product(const Grid& g, int64_t rows, int64_t blocks, const uint8_t* rec, int64_t stride, float* y,
+                     int64_t ldy, bool add, int64_t features, int& configured) {
+  const bool pair = features > kFeatures;
+  const int64_t last = pair ? features - kFeatures : features;
+  const __mmask16 keep = static_cast<__mmask16>((1u << last) - 1u);
+  for (int64_t r0 = 0; r0 < rows; r0 += kChunk) {
+    const int chunk = static_cast<int>(std::min<int64_t>(kChunk, rows - r0));
+    if (chunk != configured) configure(configured = chunk);
+    if (pair) {
+      rows_of<kQ4, true>(chunk, g, rows, r0, blocks, rec, rec + stride, y + r0 * ldy, ldy, add, keep);
+    } else if (last == kFeatures) {
+      rows_of<kQ4, false>(chunk, g, rows, r0, blocks, rec, nullptr, y + r0 * ldy, ldy, add, keep);
+    } else {  // a last partial record: its first ``last`` outputs
+      alignas(64) float part[kChunk * kFeatures];
+      rows_of<kQ4, false>(chunk, g, rows, r0, blocks, rec, nullptr, part, kFeatures, false, keep);
+      for (int i = 0; i < chunk; ++i) {
+        float* yr = y + (r0 + i) * ldy;
+        for (int64_t f = 0; f < last; ++f) yr[f] = add ? yr[f] + part[i * kFeatures + f] : part[i * kFeatures + f];
+      }
+    }
+  }
+}
+
+inline void release() { _tile_release(); }
+
+}  // namespace tiles
+#pragma GCC pop_options
+
+// Whether this process may use AMX-INT8 tiles: the CPU has them (CPUID leaf 7: AMX-TILE, AMX-INT8), the OS saves
+// their state (XCR0 bits 17-18), and Linux granted this process the tile data (arch_prctl ARCH_REQ_XCOMP_PERM).
+bool amx_supported() {
+  static const bool supported = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (__get_cpuid_max(0, nullptr) < 7) return false;
+    __cpuid_count(7, 0, a, b, c, d);
+    if (!((d >> 24) & 1) || !((d >> 25) & 1)) return false;
+    __cpuid(1, a, b, c, d);
+    if (!((c >> 27) & 1)) return false;  // OSXSAVE
+    unsigned lo = 0, hi = 0;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    if (((lo >> 17) & 3) != 3) return false;
+    constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+  }();
+  return supported;
+}
+
+std::atomic<bool> g_tiles{false};  // set at load (below): AMX tiles for every pass that has a tile layout
+inline bool tiles_on() { return g_tiles.load(std::memory_order_relaxed); }
+
+// request 1: use the tiles where the CPU has them, 0: not, -1: leave as is. Returns whether they are in use.
+bool amx_tiles(int64_t request) {
+  TORCH_CHECK(request >= -1 && request <= 1, "amx_tiles takes -1 (leave as is), 0 or 1, got ", request);
+  if (request >= 0) g_tiles = request == 1 && amx_supported();
+  return g_tiles.load();
+}
+
 // y[r, e] = dot(x[r], dense[e]) for float32 rows e in [e0, e1) (a few, e.g. an adapter's low-rank factor).
 void dense_rows(const float* x, int64_t rows, int64_t k, const float* dense, int64_t e0, int64_t e1, float* y,
                 int64_t ldy) {
@@ -495,7 +767,8 @@ template <template <int, int> class K, class L>
 at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale,
                           const float* minimum, int64_t bytes_per_block, const std::optional<at::Tensor>& dense,
                           const std::optional<at::Tensor>& residual, const std::optional<at::Tensor>& norm,
-                          double eps, const std::optional<at::Tensor>& lanes = std::nullopt) {
+                          double eps, const std::optional<at::Tensor>& lanes = std::nullopt,
+                          const std::optional<at::Tensor>& tiles = std::nullopt) {
   const int64_t rows = x.size(0), k = x.size(1), blocks = k / kBlock;
   // With a norm weight, the rows multiplied are rms_norm(x) * norm (one call instead of a norm op and a product).
   const at::Tensor input = norm.has_value() ? rms_normed(x, *norm, eps) : x;
@@ -532,6 +805,32 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& qs, const at::T
   using WideLanes = std::conditional_t<q4, wide::Q41Lanes, wide::Q80Lanes>;
   const bool wide_path = by_lanes ? wide_lanes_on() : wide_rows_on();
   // The wide lane kernels take two groups per task (a last odd group takes the AVX2 one: the same numbers).
+  if (tiles.has_value() && tiles_on()) {
+    // AMX: one task per two record streams of 16 features (a last partial one keeps its first features), then the
+    // float32 extra rows.
+    const int64_t records = (out_features + tiles::kFeatures - 1) / tiles::kFeatures;
+    const int64_t record = q4 ? tiles::kQ41Record : tiles::kQ80Record;
+    TORCH_CHECK(tiles->scalar_type() == at::kByte && tiles->is_contiguous() && tiles->numel() == records * blocks * record,
+                "tiles must be a contiguous uint8 [ceil(out / 16), in / 32 * ", record, "] tensor");
+    const tiles::Grid grid = tiles::on_grid(xp, rows, k);
+    const uint8_t* tp = tiles->data_ptr<uint8_t>();
+    const int64_t pairs = (records + 1) / 2;  // a task multiplies two record streams (32 features)
+    at::parallel_for(0, pairs + (extra + kGroup - 1) / kGroup, 1, [&](int64_t begin, int64_t end) {
+      int configured = 0;
+      for (int64_t task = begin; task < end; ++task) {
+        if (task >= pairs) {
+          const int64_t e0 = (task - pairs) * kGroup;
+          dense_rows(xp, rows, k, dp, e0, std::min(e0 + kGroup, extra), yp + extra_at, width);
+          continue;
+        }
+        const int64_t f0 = task * 2 * tiles::kFeatures;
+        tiles::records_product<q4>(grid, rows, blocks, tp + 2 * task * blocks * record, blocks * record, op + f0, ldo,
+                                   add, std::min(2 * tiles::kFeatures, out_features - f0), configured);
+      }
+      if (configured != 0) tiles::release();
+    });
+    return y;
+  }
   const int64_t per_task = wide_path && by_lanes ? 2 : 1;
   const int64_t block_tasks = (groups + per_task - 1) / per_task;
   const int64_t tasks = block_tasks + (extra + kGroup - 1) / kGroup;
@@ -600,21 +899,23 @@ struct Q80 {
 
 at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale, const at::Tensor& minimum,
                        const std::optional<at::Tensor>& extra, const std::optional<at::Tensor>& residual,
-                       const std::optional<at::Tensor>& norm, double eps, const std::optional<at::Tensor>& lanes) {
+                       const std::optional<at::Tensor>& norm, double eps, const std::optional<at::Tensor>& lanes,
+                       const std::optional<at::Tensor>& tiles) {
   check_inputs(x, qs, scale, 16);
   TORCH_CHECK(minimum.scalar_type() == at::kFloat && minimum.is_contiguous() && minimum.numel() == scale.numel(),
               "minimum must be a contiguous float32 tensor shaped like scale");
   TORCH_CHECK(qs.size(0) % kGroup == 0, "out_features must be a multiple of 8, got ", qs.size(0));
   return grouped_linear<Q41, Q41Lanes>(x, qs, scale, minimum.data_ptr<float>(), 16, extra, residual, norm, eps,
-                                      lanes);
+                                      lanes, tiles);
 }
 
 at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale,
                        const std::optional<at::Tensor>& extra, const std::optional<at::Tensor>& residual,
-                       const std::optional<at::Tensor>& norm, double eps, const std::optional<at::Tensor>& lanes) {
+                       const std::optional<at::Tensor>& norm, double eps, const std::optional<at::Tensor>& lanes,
+                       const std::optional<at::Tensor>& tiles) {
   check_inputs(x, qs, scale, 32);
   TORCH_CHECK(qs.size(0) % kGroup == 0, "out_features must be a multiple of 8, got ", qs.size(0));
-  return grouped_linear<Q80, Q80Lanes>(x, qs, scale, nullptr, 32, extra, residual, norm, eps, lanes);
+  return grouped_linear<Q80, Q80Lanes>(x, qs, scale, nullptr, 32, extra, residual, norm, eps, lanes, tiles);
 }
 
 
@@ -983,9 +1284,10 @@ at::Tensor attend(const at::Tensor& qkv, const at::Tensor& rope, at::TensorList 
 
 // Every decoder layer of a Llama-family model for a short block pass (one sequence or a batch), in one call: the same
 // kernels and ATen ops in the same order as the Python layer loop (engine/fast/model.py: FastModel._layer), so the
-// numbers are identical; what goes is ~15 Python-level calls per layer. ``weights`` holds 26 tensors
-// per layer (see engine/fast/model.py: _fused_weights); an absent adapter factor or lane layout is an empty tensor.
-constexpr int64_t kPerLayer = 26;
+// numbers are identical; what goes is ~15 Python-level calls per layer. ``weights`` holds 30 tensors
+// per layer (see engine/fast/model.py: _fused_weights); an absent adapter factor, lane or tile layout is an empty
+// tensor.
+constexpr int64_t kPerLayer = 30;
 
 std::optional<at::Tensor> present(const at::Tensor& t) {
   return t.numel() > 0 ? std::optional<at::Tensor>(t) : std::nullopt;
@@ -1051,7 +1353,7 @@ void decode_layers(at::Tensor x, at::TensorList weights, at::TensorList caches, 
   const int64_t layers = static_cast<int64_t>(weights.size()) / kPerLayer;
   const int64_t sequences = static_cast<int64_t>(starts.size());
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == kPerLayer * layers && layers > 0,
-              "decode_layers needs 26 weight tensors per layer");
+              "decode_layers needs 30 weight tensors per layer");
   TORCH_CHECK(static_cast<int64_t>(caches.size()) == layers * sequences && sequences > 0,
               "decode_layers needs one cache per layer and sequence");
   TORCH_CHECK(mask_runs.size() % 2 == 0, "mask_runs must be [start, stop) pairs");
@@ -1061,23 +1363,28 @@ void decode_layers(at::Tensor x, at::TensorList weights, at::TensorList caches, 
   TORCH_CHECK(rope.scalar_type() == at::kComplexFloat, "rope must be complex64 (cos + i sin per pair)");
   const at::Tensor pairs = at::view_as_real(rope);
   for (int64_t layer = 0; layer < layers; ++layer) {
-    // per projection: qs, scale, minimum, extra rows (adapter A), adapter B^T, lanes; norms at 0 and 13
+    // per projection: qs, scale, minimum, extra rows (adapter A), adapter B^T, lanes; norms at 0 and 13; tiles at
+    // 26-29
     const at::Tensor* w = weights.data() + layer * kPerLayer;
     const at::Tensor y = grouped_linear<Q41, Q41Lanes>(x, w[1], w[2], w[3].data_ptr<float>(), 16, present(w[4]),
-                                                       std::nullopt, w[0], eps, present(w[6]));
+                                                       std::nullopt, w[0], eps, present(w[6]),
+                                                       present(w[26]));
     const at::Tensor qkv = with_delta(y, qkv_out, w[5], mask_runs);
     const at::Tensor attended = attend_pairs(qkv, pairs, caches.slice(layer * sequences, sequences), starts, rows,
                                              num_heads, kv_heads, head_dim, scale);
     const at::Tensor low_o = grouped_linear<Q41, Q41Lanes>(attended.contiguous(), w[7], w[8], w[9].data_ptr<float>(),
-                                                           16, present(w[10]), x, std::nullopt, eps, present(w[12]));
+                                                           16, present(w[10]), x, std::nullopt, eps, present(w[12]),
+                                                           present(w[27]));
     add_delta(x, low_o, w[11], mask_runs);
     const at::Tensor gu_all = grouped_linear<Q41, Q41Lanes>(x, w[14], w[15], w[16].data_ptr<float>(), 16,
-                                                            present(w[17]), std::nullopt, w[13], eps, present(w[19]));
+                                                            present(w[17]), std::nullopt, w[13], eps, present(w[19]),
+                                                            present(w[28]));
     const at::Tensor gate_up = with_delta(gu_all, 2 * inter, w[18], mask_runs);
     at::Tensor act = at::silu(gate_up.slice(1, 0, inter));
     act.mul_(gate_up.slice(1, inter, 2 * inter));
     const at::Tensor low_d = grouped_linear<Q41, Q41Lanes>(act, w[20], w[21], w[22].data_ptr<float>(), 16,
-                                                           present(w[23]), x, std::nullopt, eps, present(w[25]));
+                                                           present(w[23]), x, std::nullopt, eps, present(w[25]),
+                                                           present(w[29]));
     add_delta(x, low_d, w[24], mask_runs);
   }
 }
@@ -1090,14 +1397,18 @@ TORCH_LIBRARY(agent_mtp_blockq, m) {
   // quants in the lane kernels' layout, which passes of kLaneRows rows or more then read.
   m.def(
       "q4_1_linear(Tensor x, Tensor qs, Tensor scale, Tensor minimum, Tensor? extra=None, Tensor(a!)? residual=None, "
-      "Tensor? norm=None, float eps=1e-5, Tensor? lanes=None) -> Tensor");
+      "Tensor? norm=None, float eps=1e-5, Tensor? lanes=None, Tensor? tiles=None) -> Tensor");
   m.def(
       "q8_0_linear(Tensor x, Tensor qs, Tensor scale, Tensor? extra=None, Tensor(a!)? residual=None, "
-      "Tensor? norm=None, float eps=1e-5, Tensor? lanes=None) -> Tensor");
+      "Tensor? norm=None, float eps=1e-5, Tensor? lanes=None, Tensor? tiles=None) -> Tensor");
   // target[r] += low[r] b_t at the rows of runs (flattened [start, stop) pairs): an adapter's delta at the mask rows
   // which kernel classes take their AVX-512 forms (the same numbers as the AVX2 ones; bits 1: row kernels and
   // attention, 2: lane kernels); 0 where the CPU lacks them
   m.def("avx512_forms(int request=-1) -> int", &avx512_forms);
+  // whether passes with a tile layout multiply on AMX-INT8 tiles (1: where the CPU has them, 0: not, -1: as is)
+  m.def("amx_tiles(int request=-1) -> bool", &amx_tiles);
+  // whether the CPU and the OS let this process use AMX-INT8 tiles
+  m.def("amx_supported() -> bool", &amx_supported);
   m.def("low_rank_add(Tensor(a!) target, Tensor low, Tensor b_t, int[] runs) -> ()");
   // every decoder layer of a short block pass (one sequence or a batch), in place on x and the caches (see above)
   m.def(
