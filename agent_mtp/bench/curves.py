@@ -54,14 +54,14 @@ def _engine_pass(engine: MTPEngine, prefix: list[int]) -> Callable[[int], None]:
     return run
 
 
-def _on_avx2(run: Callable[[int], None]) -> Callable[[int], None]:
-    """The same passes with the block kernels in their AVX2 forms (the same numbers, fewer weights per instruction)."""
+def _on_avx(run: Callable[[int], None], *, wide: bool) -> Callable[[int], None]:
+    """The same passes on the AVX block kernels (AMX tiles off), in their AVX-512 (``wide``) or AVX2 forms."""
 
-    def on_avx2(n: int) -> None:
-        with blockq.avx512(False):
+    def on_avx(n: int) -> None:
+        with blockq.amx(False), blockq.avx512(blockq.avx512_forms() if wide else False):
             run(n)
 
-    return on_avx2
+    return on_avx
 
 
 def _llama_cpp_pass(peer: Any, prefix: list[int]) -> Callable[[int], None]:
@@ -80,16 +80,19 @@ def measure_curves(
     engine: MTPEngine, *, context: int = 300, rounds: int = 5, llama_cpp: Any = None, seed: int = 0
 ) -> CurveReport:
     """Time n-token passes on every runtime (``engine``'s model on "hf", "fast" and, where the fast runtime reads
-    block weights, "fast-fp32" (float32 GEMM only) and, where its kernels run in AVX-512, "fast-avx2" (the same
-    kernels in their AVX2 forms), plus ``llama_cpp`` if given)."""
+    block weights, "fast-fp32" (float32 GEMM only), where its passes run on AMX tiles, "fast-avx512" (the AVX kernels
+    instead) and, where its kernels run in AVX-512, "fast-avx2" (the AVX kernels in their AVX2 forms), plus
+    ``llama_cpp`` if given)."""
     high = min(1000, engine.mask_token_id)
     prefix = [int(t) for t in torch.randint(3, high, (context,), generator=torch.Generator().manual_seed(seed))]
     runtimes: tuple[Runtime, ...] = ("hf", "fast") if unsupported_reason(engine.model) is None else ("hf",)
     passes: dict[str, Callable[[int], None]] = {r: _engine_pass(engine.with_runtime(r), prefix) for r in runtimes}
     if "fast" in runtimes and blockq.kernel_tag() != "fp32":
         passes["fast-fp32"] = _engine_pass(engine.with_runtime("fast", block_weights=False), prefix)
+        if blockq.tiles_active():
+            passes["fast-avx512"] = _on_avx(passes["fast"], wide=True)
         if blockq.avx512_active():
-            passes["fast-avx2"] = _on_avx2(passes["fast"])
+            passes["fast-avx2"] = _on_avx(passes["fast"], wide=False)
     if llama_cpp is not None:
         passes["llama.cpp"] = _llama_cpp_pass(llama_cpp, prefix)
     report = CurveReport(context, torch.get_num_threads(), {name: {} for name in passes})

@@ -55,9 +55,22 @@ FAST_AVX2 = "fast-avx2"
 tokens; its own cost curve), to show the AVX-512 forms' gain side by side. Without AVX-512 it is the fast runtime."""
 
 
+FAST_AVX512 = "fast-avx512"
+"""A bench runtime name: the fast runtime with the block kernels in their AVX forms (AMX tiles off) on a CPU with
+AMX-INT8, to show the tiles' gain side by side. Without AMX it is the fast runtime."""
+SIBLINGS = (FAST_AVX2, FAST_AVX512)
+"""Runtimes that are the fast runtime with other kernels: sibling engines of their own (own cost curves)."""
+
+
 def kernels_for(runtime: str | None) -> contextlib.AbstractContextManager[object]:
-    """What a variant on ``runtime`` runs inside: the AVX2 forms for :data:`FAST_AVX2`, else the process's choice."""
-    return blockq.avx512(False) if runtime == FAST_AVX2 and blockq.kernels_available() else contextlib.nullcontext()
+    """What a variant on ``runtime`` runs inside: the AVX kernels (tiles off) for :data:`FAST_AVX512`, and in their
+    AVX2 forms for :data:`FAST_AVX2`; else the process's choice."""
+    stack = contextlib.ExitStack()
+    if runtime in SIBLINGS and blockq.kernels_available():
+        stack.enter_context(blockq.amx(False))
+        if runtime == FAST_AVX2:
+            stack.enter_context(blockq.avx512(False))
+    return stack
 
 
 class BaselineModels:
@@ -78,7 +91,7 @@ class BaselineModels:
         if runtime not in self._engines:
             if runtime == FAST_FP32:
                 self._engines[runtime] = self.main.with_runtime("fast", block_weights=False)
-            elif runtime == FAST_AVX2:  # a sibling of its own: a fast-runtime main engine would return itself
+            elif runtime in SIBLINGS:  # a sibling of its own: a fast-runtime main engine would return itself
                 self._engines[runtime] = MTPEngine(self.main.loaded, adapter=self.main.adapter, runtime="fast")
             else:
                 self._engines[runtime] = self.main.with_runtime(runtime)

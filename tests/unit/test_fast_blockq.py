@@ -20,6 +20,14 @@ from tests.unit.test_fast_runtime import _family_model, _random_ids
 pytestmark = pytest.mark.skipif(not blockq.kernels_available(), reason="block-weight kernels unavailable here")
 
 
+@pytest.fixture(autouse=True)
+def _avx_kernels() -> Any:
+    """These tests are of the AVX kernels: AMX tiles (where the CPU has them) are off, tests/unit/test_fast_tiles.py
+    covers them."""
+    with blockq.amx(False):
+        yield
+
+
 def q4_1(weight: torch.Tensor) -> torch.Tensor:
     """What a GGUF Q4_1 file dequantizes to: per block of 32, d = (max - min) / 15 and m = min in float16,
     q = round((w - m) / d) in 0..15, weight d * q + m in float32."""

@@ -149,6 +149,9 @@ class PackedLinear:
 CROSSOVER_CANDIDATES = (2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 31)
 """Row counts at which :func:`measure_block_rows` compares the two weight paths (31: attention of longer passes
 switches to SDPA)."""
+TILE_CROSSOVER_CANDIDATES = (*CROSSOVER_CANDIDATES, 48, 64, 96, 128, 192, 256)
+"""The candidates where block passes multiply on AMX tiles (:func:`blockq.tiles_active`): there the blocks beat the
+float32 GEMM up to a few hundred rows (batched passes of many sequences), so the scan goes on past 31."""
 CROSSOVER_BYTES = 64 << 20
 """Float32 bytes of weights a crossover measurement multiplies per round: past every CPU cache, as in a real pass."""
 
@@ -257,7 +260,7 @@ def measure_block_rows(linears: Sequence[PackedLinear], *, rounds: int = 3) -> i
     chosen = _crossover_sample(linears)
     if not chosen:
         return blockq.MAX_ROWS
-    widest = max(CROSSOVER_CANDIDATES)
+    widest = max(TILE_CROSSOVER_CANDIDATES)
     inputs = {
         w: torch.randn(widest, w, generator=torch.Generator().manual_seed(0)) for w in {x.in_features for x in chosen}
     }
@@ -275,7 +278,7 @@ def measure_block_rows(linears: Sequence[PackedLinear], *, rounds: int = 3) -> i
     timed(True, 1)  # warm-up: first-touch pages, oneDNN primitives
     timed(False, 1)
     best, losses = 1, 0
-    for rows in CROSSOVER_CANDIDATES:
+    for rows in TILE_CROSSOVER_CANDIDATES if blockq.tiles_active() else CROSSOVER_CANDIDATES:
         on_blocks = on_dense = math.inf
         for _ in range(rounds):
             on_blocks = min(on_blocks, timed(True, rows))

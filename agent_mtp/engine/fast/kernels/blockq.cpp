@@ -474,6 +474,7 @@ namespace tiles {
 constexpr int64_t kFeatures = 16;   // outputs per record (a tile's 16 int32 columns)
 constexpr int64_t kQ41Record = 256 + 2 * 64, kQ80Record = 512 + 64;
 constexpr int kChunk = 8;           // rows per tile product: a0 rows fill 8 tile rows, a1 / a2 rows 16
+constexpr int64_t kAhead = 4;       // blocks a record stream is prefetched ahead of its product
 
 struct alignas(64) Config {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
@@ -517,8 +518,10 @@ Grid on_grid(const float* x, int64_t rows, int64_t k) {
   const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
   const __m512i top = _mm512_set1_epi32((1 << 23) - 1), bottom = _mm512_set1_epi32(-(1 << 23));
   const __m512i byte = _mm512_set1_epi32(0xFF);
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t b = 0; b < blocks; ++b) {
+  // (row, block) pairs are independent: split over the threads where there are enough of them
+  at::parallel_for(0, rows * blocks, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t slot = begin; slot < end; ++slot) {
+      const int64_t r = slot / blocks, b = slot % blocks;
       const float* xb = x + r * k + b * kBlock;
       const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
       const float peak = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(v0, abs_mask), _mm512_and_ps(v1, abs_mask)));
@@ -544,6 +547,7 @@ Grid on_grid(const float* x, int64_t rows, int64_t k) {
                          _mm512_cvtepi32_epi8(_mm512_and_si512(q, byte)));
       }
     }
+  });
   return g;
 }
 
@@ -594,6 +598,10 @@ inline void chunk_product(const Grid& g, int64_t rows, int64_t r0, int64_t block
     const uint8_t* ra = rec_a + b * record;
     const uint8_t* rb = kPair ? rec_b + b * record : nullptr;
     const int now = static_cast<int>(b & 1);
+    for (int64_t line = 0; line < record; line += 64) {  // the streams' next records, a few blocks ahead
+      _mm_prefetch(reinterpret_cast<const char*>(ra + kAhead * record + line), _MM_HINT_T0);
+      if constexpr (kPair) _mm_prefetch(reinterpret_cast<const char*>(rb + kAhead * record + line), _MM_HINT_T0);
+    }
     if constexpr (kQ4) {
       if (b + 1 < blocks) {
         unpack_q4(ra + record, quants[now ^ 1][0]);
@@ -815,11 +823,16 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& qs, const at::T
     const tiles::Grid grid = tiles::on_grid(xp, rows, k);
     const uint8_t* tp = tiles->data_ptr<uint8_t>();
     const int64_t pairs = (records + 1) / 2;  // a task multiplies two record streams (32 features)
-    at::parallel_for(0, pairs + (extra + kGroup - 1) / kGroup, 1, [&](int64_t begin, int64_t end) {
+    const int64_t dense_tasks = (extra + kGroup - 1) / kGroup, early = dense_tasks / 2;
+    // The float32 extra rows' tasks are slower per output: half come first and half last, so that the threads'
+    // contiguous shares of the range stay even.
+    at::parallel_for(0, pairs + dense_tasks, 1, [&](int64_t begin, int64_t end) {
       int configured = 0;
-      for (int64_t task = begin; task < end; ++task) {
-        if (task >= pairs) {
-          const int64_t e0 = (task - pairs) * kGroup;
+      for (int64_t slot = begin; slot < end; ++slot) {
+        const bool dense_task = slot < early || slot >= early + pairs;
+        const int64_t task = dense_task ? (slot < early ? slot : slot - pairs) : slot - early;
+        if (dense_task) {
+          const int64_t e0 = task * kGroup;
           dense_rows(xp, rows, k, dp, e0, std::min(e0 + kGroup, extra), yp + extra_at, width);
           continue;
         }
@@ -1297,6 +1310,35 @@ std::optional<at::Tensor> present(const at::Tensor& t) {
 // delta at the mask rows. Per 8 outputs, the rank products are summed in order (fused multiply-add) and added to the
 // target once. One call instead of an ATen addmm per run and projection (~90 per pass with masks, each costing more
 // to dispatch than its few thousand multiply-adds).
+// AVX-512: rows r0..r0 + R of a run against outputs c0..c0 + 64 at once (each b_t row loaded once for the R rows),
+// each output's operations those of the AVX2 loop below (fused multiply-adds over j in order, then one add).
+template <int R>
+__attribute__((target("avx512f"))) inline void low_rank_tile(const float* lp, int64_t ldl, const float* bp,
+                                                              int64_t rank, int64_t out, float* tp, int64_t ldt,
+                                                              int64_t r0, int64_t c0) {
+  __m512 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int q = 0; q < 4; ++q) acc[r][q] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < rank; ++j) {
+    const float* bj = bp + j * out + c0;
+    const __m512 b0 = _mm512_loadu_ps(bj), b1 = _mm512_loadu_ps(bj + 16), b2 = _mm512_loadu_ps(bj + 32),
+                 b3 = _mm512_loadu_ps(bj + 48);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const __m512 a = _mm512_set1_ps(lp[(r0 + r) * ldl + j]);
+      acc[r][0] = _mm512_fmadd_ps(a, b0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(a, b1, acc[r][1]);
+      acc[r][2] = _mm512_fmadd_ps(a, b2, acc[r][2]);
+      acc[r][3] = _mm512_fmadd_ps(a, b3, acc[r][3]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int q = 0; q < 4; ++q) {
+      float* t = tp + (r0 + r) * ldt + c0 + 16 * q;
+      _mm512_storeu_ps(t, _mm512_add_ps(_mm512_loadu_ps(t), acc[r][q]));
+    }
+}
+
 void low_rank_add(at::Tensor target, const at::Tensor& low, const at::Tensor& b_t, at::IntArrayRef runs) {
   if (b_t.numel() == 0) return;
   const int64_t rank = b_t.size(0), out = b_t.size(1);
@@ -1313,24 +1355,53 @@ void low_rank_add(at::Tensor target, const at::Tensor& low, const at::Tensor& b_
   const float* lp = low.data_ptr<float>();
   float* tp = target.data_ptr<float>();
   const int64_t ldt = target.stride(0), ldl = low.stride(0), vec_end = out / 8 * 8;
+  std::vector<int64_t> targets;  // the rows of the runs, in order
   for (size_t i = 0; i + 1 < runs.size(); i += 2) {
     TORCH_CHECK(0 <= runs[i] && runs[i] <= runs[i + 1] && runs[i + 1] <= target.size(0), "run out of range");
-    for (int64_t r = runs[i]; r < runs[i + 1]; ++r) {
+    for (int64_t r = runs[i]; r < runs[i + 1]; ++r) targets.push_back(r);
+  }
+  // rows x 64-output slices are independent (each output's sum is the same whatever the split)
+  const int64_t slices = (out + 63) / 64;
+  if (cpu_has_avx512() && out % 64 == 0) {  // runs in tiles of up to 4 rows, every slice whole
+    std::vector<std::pair<int64_t, int>> tiles_of_rows;
+    for (size_t i = 0; i + 1 < runs.size(); i += 2)
+      for (int64_t r = runs[i]; r < runs[i + 1]; r += 4)
+        tiles_of_rows.emplace_back(r, static_cast<int>(std::min<int64_t>(4, runs[i + 1] - r)));
+    const int64_t work = static_cast<int64_t>(tiles_of_rows.size()) * slices;
+    at::parallel_for(0, work, std::max<int64_t>(1, 2048 / std::max<int64_t>(1, rank * 16)), [&](int64_t begin,
+                                                                                                 int64_t end) {
+      for (int64_t slot = begin; slot < end; ++slot) {
+        const auto [r0, count] = tiles_of_rows[slot / slices];
+        const int64_t c0 = (slot % slices) * 64;
+        switch (count) {
+          case 4: low_rank_tile<4>(lp, ldl, bp, rank, out, tp, ldt, r0, c0); break;
+          case 3: low_rank_tile<3>(lp, ldl, bp, rank, out, tp, ldt, r0, c0); break;
+          case 2: low_rank_tile<2>(lp, ldl, bp, rank, out, tp, ldt, r0, c0); break;
+          default: low_rank_tile<1>(lp, ldl, bp, rank, out, tp, ldt, r0, c0); break;
+        }
+      }
+    });
+    return;
+  }
+  const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(1, rank * 64));
+  at::parallel_for(0, static_cast<int64_t>(targets.size()) * slices, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t slot = begin; slot < end; ++slot) {
+      const int64_t r = targets[slot / slices], c0 = (slot % slices) * 64, c1 = std::min(out, c0 + 64);
       const float* a = lp + r * ldl;
       float* t = tp + r * ldt;
-      for (int64_t c = 0; c < vec_end; c += 8) {
+      for (int64_t c = c0; c + 8 <= c1; c += 8) {
         __m256 acc = _mm256_setzero_ps();
         for (int64_t j = 0; j < rank; ++j)
           acc = _mm256_fmadd_ps(_mm256_set1_ps(a[j]), _mm256_loadu_ps(bp + j * out + c), acc);
         _mm256_storeu_ps(t + c, _mm256_add_ps(_mm256_loadu_ps(t + c), acc));
       }
-      for (int64_t c = vec_end; c < out; ++c) {
+      for (int64_t c = std::max(c0, vec_end); c < c1; ++c) {
         float acc = 0.0f;
         for (int64_t j = 0; j < rank; ++j) acc = std::fma(a[j], bp[j * out + c], acc);
         t[c] += acc;
       }
     }
-  }
+  });
 }
 
 // y[rows, :out] += y[rows, out:] b_t at the mask rows; returns y[:, :out].

@@ -1,0 +1,208 @@
+"""AMX tile products of block weights: inputs on a 24-bit grid per block, exact integer sums, float32 scaling.
+Close to the float32 GEMM, a row's numbers independent of the rows beside it and of the pass size, and the fast
+runtime on tiles still greedy-exact against HF. Skipped where the CPU (or the OS) gives no AMX-INT8."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from agent_mtp.engine import DecodeConfig, MTPEngine
+from agent_mtp.engine.fast import FastModel, blockq
+from agent_mtp.engine.fast.model import BatchItem
+from tests.unit.test_fast_blockq import _engine, q4_1, q8_0
+from tests.unit.test_fast_runtime import _random_ids
+
+pytestmark = pytest.mark.skipif(
+    not (blockq.kernels_available() and blockq.tiles_wanted()), reason="no AMX-INT8 tiles on this CPU / OS"
+)
+
+QUANTIZE = {"q4_1": q4_1, "q8_0": q8_0}
+
+
+@pytest.fixture(autouse=True)
+def _tiles_on() -> Any:
+    with blockq.amx(True) as on:
+        assert on
+        yield
+
+
+def _blocks(kind: str, out: int, k: int, seed: int = 0) -> tuple[torch.Tensor, blockq.BlockWeights]:
+    weight = QUANTIZE[kind](torch.randn(out, k, generator=torch.Generator().manual_seed(seed)))
+    blocks = blockq.block_weights(weight)
+    assert blocks is not None and blocks.kind == kind and blocks.tiles is not None
+    return weight, blocks
+
+
+def _error_bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Float32-level error of a dot product: a few ulps of sum |w| |x| per output."""
+    return 8 * 2.0**-24 * (x.abs().double() @ weight.abs().double().T) + 1e-30
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+@pytest.mark.parametrize(("out", "k"), [(64, 96), (40, 160), (200, 64)])  # whole, paired and partial records
+def test_tile_products_are_float32_accurate_at_every_pass_size(kind: str, out: int, k: int) -> None:
+    weight, blocks = _blocks(kind, out, k)
+    for rows in (1, 2, 3, 7, 8, 9, 16, 17, 40):
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+        exact = x.double() @ weight.double().T
+        assert ((blocks(x).double() - exact).abs() <= _error_bound(x, weight)).all(), (kind, out, rows)
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_a_rows_tile_result_does_not_depend_on_the_pass(kind: str) -> None:
+    """Every row alone, at any position of any pass size (chunks of 8 rows, a 9th in a chunk of its own): the same
+    bits. Batched and drafted passes therefore give each sequence what a one-token pass gives."""
+    _, blocks = _blocks(kind, 48, 128)
+    x = torch.randn(25, 128)
+    together = blocks(x)
+    for n in range(1, 26):
+        assert torch.equal(blocks(x[:n]), together[:n]), n
+        assert torch.equal(blocks(x[n - 1 : n]), together[n - 1 : n]), n
+
+
+def test_tiles_serve_extra_rows_a_norm_a_residual_and_exception_rows() -> None:
+    weight = torch.cat([q8_0(torch.randn(45, 64)), torch.randn(1, 64)])  # 46 outputs: one float32 exception row
+    blocks = blockq.block_weights(weight)
+    assert blocks is not None and blocks.tiles is not None and blocks.exception_rows is not None
+    x, extra, gain = torch.randn(5, 64), torch.randn(3, 64), torch.randn(64) * 0.3 + 1
+    torch.testing.assert_close(blocks(x), F.linear(x, weight), atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(blocks(x, extra), F.linear(x, torch.cat([weight, extra])), atol=2e-5, rtol=1e-5)
+    normed = F.rms_norm(x, (64,), gain, 1e-6)
+    torch.testing.assert_close(blocks(x, norm=(gain, 1e-6)), F.linear(normed, weight), atol=2e-5, rtol=1e-5)
+    q, q_blocks = _blocks("q4_1", 32, 64)
+    residual = torch.randn(5, 32)
+    expected = residual + F.linear(x, q)
+    low = q_blocks.add_into(residual, x, extra)
+    torch.testing.assert_close(residual, expected, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(low, F.linear(x, extra), atol=2e-5, rtol=1e-5)
+
+
+def test_tile_grid_handles_zero_tiny_huge_and_non_finite_inputs() -> None:
+    weight, blocks = _blocks("q4_1", 32, 96)
+    x = torch.randn(6, 96)
+    x[0] = 0.0  # every block zero
+    x[1, :32] = 0.0  # one block zero
+    x[2] *= 1e-30  # grid steps near the float32 minimum
+    x[3] *= 1e30
+    x[4, 5] = 1e-8  # one element far below its block's largest: rounded to the block's grid
+    exact = x.double() @ weight.double().T
+    y = blocks(x).double()
+    assert torch.equal(y[0], torch.zeros(32, dtype=torch.float64))
+    assert ((y[1:] - exact[1:]).abs() <= _error_bound(x[1:], weight) + 1e-37).all()
+    x[5, 7] = float("nan")
+    assert torch.isnan(blocks(x)[5]).all() and torch.isfinite(blocks(x)[:5]).all()
+
+
+def test_tile_layout_holds_each_features_inputs_in_b_tile_order() -> None:
+    q = torch.arange(16 * 32, dtype=torch.int64).reshape(16, 1, 32) % 251  # feature n, input i -> distinct bytes
+    rows = blockq._tile_order(q.to(torch.uint8))  # [records, blocks, 8 tile rows, 64 bytes]
+    assert rows.shape == (1, 1, 8, 64)
+    for kk in range(8):
+        for n in range(16):
+            assert rows[0, 0, kk, 4 * n : 4 * n + 4].tolist() == q[n, 0, 4 * kk : 4 * kk + 4].tolist()
+
+
+def test_amx_switch_and_kernel_tag() -> None:
+    assert blockq.tiles_active() and blockq.kernel_tag() == "blockq6-amx"
+    with blockq.amx(False) as on:
+        assert not on and not blockq.tiles_active() and blockq.kernel_tag().startswith("blockq5")
+    assert blockq.tiles_active()
+
+
+def test_amx_can_be_switched_off_by_environment() -> None:
+    code = (
+        "from agent_mtp.engine.fast import blockq; import torch; "
+        "w = torch.zeros(16, 32); w[:, 0] = 0.9375; b = blockq.block_weights(w); "
+        "print(blockq.tiles_active(), b is not None and b.tiles is None)"
+    )
+    env = {**os.environ, blockq.AMX_ENV: "0"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["False", "True"]
+
+
+@pytest.fixture(scope="module", params=[("plain-llama", False), ("plain-llama", True), ("llama", True)], ids=str)
+def engine(request: pytest.FixtureRequest) -> MTPEngine:
+    family, adapter = request.param
+    return _engine(family, adapter=adapter)
+
+
+def test_fast_model_builds_tiles_for_every_block_weight(engine: MTPEngine) -> None:
+    fast = FastModel.from_hf(engine.model, mask_token_id=engine.mask_token_id)
+    linears = fast._linears()
+    assert all(linear.blocks is not None and linear.blocks.tiles is not None for linear in linears)
+
+
+def test_tile_passes_match_the_avx_kernels_and_hf(engine: MTPEngine) -> None:
+    """Whole passes (fused layers, masks, the adapter's delta, rollbacks) on tiles against the AVX kernels."""
+    fast = FastModel.from_hf(engine.model, mask_token_id=engine.mask_token_id)
+    ids = _random_ids(20, seed=3)
+    on_tiles, on_avx = fast.new_cache(), fast.new_cache()
+    mask = engine.mask_token_id
+
+    def both(tokens: list[int], keep: int) -> tuple[torch.Tensor, torch.Tensor]:
+        a = fast.forward(tokens, on_tiles, keep)
+        with blockq.amx(False):
+            b = fast.forward(tokens, on_avx, keep)
+        return a, b
+
+    torch.testing.assert_close(*both(ids, 3), atol=1e-4, rtol=1e-4)
+    for step, tokens in enumerate([[5], [7, mask], [9, 3, 8], [mask, 4, mask, 6], [1, 2, 3, 4, 5, mask, mask]]):
+        torch.testing.assert_close(*both(tokens, len(tokens)), atol=1e-4, rtol=1e-4)
+        if step % 2:
+            on_tiles.truncate(on_tiles.length - 1)
+            on_avx.truncate(on_avx.length - 1)
+    hf = engine.model(input_ids=torch.tensor([ids])).logits[0, -1]
+    torch.testing.assert_close(fast.forward(ids, fast.new_cache(), 1)[0], hf, atol=1e-4, rtol=1e-4)
+
+
+def test_batched_tile_passes_give_each_sequence_its_single_bits(
+    monkeypatch: pytest.MonkeyPatch, engine: MTPEngine
+) -> None:
+    """Every pass on tiles (a small model's crossover pinned past the batch): one-token sequences get the bits they
+    get alone, beside others (the linear layers and one-row attention do not depend on the rows beside a row);
+    drafted ones agree closely (the multi-row attention loops pair rows differently in a batch)."""
+    monkeypatch.setenv(blockq.ROWS_ENV, "64")
+    fast = FastModel.from_hf(engine.model, mask_token_id=engine.mask_token_id)
+    prompts = [_random_ids(9 + 4 * i, seed=10 + i) for i in range(3)]
+    single = [fast.new_cache() for _ in prompts]
+    batched = [fast.new_cache() for _ in prompts]
+    for ids, cache in zip(prompts, single, strict=True):
+        fast.forward(ids, cache, 1)
+    fast.forward_batch([BatchItem(ids, cache, 1) for ids, cache in zip(prompts, batched, strict=True)])
+    for steps in ([[5], [6], [7]], [[5], [7, engine.mask_token_id], [9, 3, 8, 2, 6, 1]]):
+        expected = [fast.forward(tokens, cache, len(tokens)) for tokens, cache in zip(steps, single, strict=True)]
+        got = fast.forward_batch([BatchItem(t, c, len(t)) for t, c in zip(steps, batched, strict=True)])
+        for tokens, a, b in zip(steps, got, expected, strict=True):
+            if all(len(t) == 1 for t in steps):
+                assert torch.equal(a, b)
+            else:
+                torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=str(tokens))
+
+
+@pytest.mark.parametrize("mode", ["ntp", "verified"])
+def test_greedy_on_tiles_equals_hf(engine: MTPEngine, mode: str) -> None:
+    hf = engine.with_runtime("hf")
+    for seed in range(3):
+        prompt = _random_ids(5 + 7 * seed, seed)
+        cfg = DecodeConfig(mode="ntp", max_new_tokens=30)
+        expected = hf.generate(prompt, cfg).token_ids
+        assert engine.generate(prompt, cfg.replace(mode=mode, k_max=4)).token_ids == expected, (seed, mode)
+
+
+def test_bench_curves_time_the_tiles_beside_the_avx_kernels(engine: MTPEngine) -> None:
+    from agent_mtp.bench.curves import measure_curves
+    from agent_mtp.bench.hf import FAST_AVX512, kernels_for
+
+    report = measure_curves(engine, context=16, rounds=1)
+    assert {"hf", "fast", "fast-fp32", "fast-avx512"} <= set(report.ms)
+    with kernels_for(FAST_AVX512):
+        assert not blockq.tiles_active()
+    assert blockq.tiles_active()
