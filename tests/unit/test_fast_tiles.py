@@ -84,6 +84,15 @@ def test_tiles_serve_extra_rows_a_norm_a_residual_and_exception_rows() -> None:
     torch.testing.assert_close(low, F.linear(x, extra), atol=2e-5, rtol=1e-5)
 
 
+def test_q4_1_tiles_with_a_row_that_is_not_blocks() -> None:
+    weight = torch.cat([q4_1(torch.randn(39, 64)), torch.randn(1, 64)])  # 40 outputs: a last partial record
+    blocks = blockq.block_weights(weight)
+    assert blocks is not None and blocks.kind == "q4_1" and blocks.tiles is not None
+    assert blocks.exception_rows is not None and blocks.exception_rows.tolist() == [39]
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(blocks(x), F.linear(x, weight), atol=2e-5, rtol=1e-5)
+
+
 def test_tile_grid_handles_zero_tiny_huge_and_non_finite_inputs() -> None:
     weight, blocks = _blocks("q4_1", 32, 96)
     x = torch.randn(6, 96)

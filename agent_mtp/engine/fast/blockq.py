@@ -340,18 +340,23 @@ def _tile_order(q: torch.Tensor) -> torch.Tensor:
     return words.permute(0, 1, 3, 2, 4).reshape(records, blocks, 8, 64)
 
 
-def _as_bytes(t: torch.Tensor, records: int, blocks: int) -> torch.Tensor:
-    """float32 [out, blocks] -> per record and block the 16 features' values as 64 bytes."""
-    return _by_records(t[..., None]).reshape(records, blocks, TILE_FEATURES).contiguous().view(torch.uint8)
+def _as_bytes(t: torch.Tensor, records: int, blocks: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[out, blocks] -> per record and block the 16 features' values in ``dtype``, as bytes (float16 holds a block
+    row's scales exactly: they are GGUF float16 numbers; an exception row's are not, and its outputs are recomputed
+    in float32)."""
+    values = _by_records(t[..., None]).reshape(records, blocks, TILE_FEATURES)
+    return values.to(dtype).contiguous().view(torch.uint8)
 
 
 def _q4_1_tiles(q4: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
-    """Q4_1 as tile records [records, blocks * 384] uint8: per record and block 256 bytes of quants (B-tile rows 2c
-    and 2c + 1 in the low and high nibbles of bytes 64c..64c + 63), then d and m of the 16 features."""
+    """Q4_1 as tile records [records, blocks * 320] uint8: per record and block 256 bytes of quants (B-tile rows 2c
+    and 2c + 1 in the low and high nibbles of bytes 64c..64c + 63), then d and m of the 16 features in float16."""
     rows = _tile_order(q4)  # [records, blocks, 8, 64]
     records, blocks = int(rows.shape[0]), int(rows.shape[1])
     nibbles = rows[:, :, 0::2] | (rows[:, :, 1::2] << 4)  # [records, blocks, 4, 64]
-    parts = [nibbles.reshape(records, blocks, 256), _as_bytes(scale, records, blocks), _as_bytes(low, records, blocks)]
+    half = torch.float16
+    parts = [nibbles.reshape(records, blocks, 256), _as_bytes(scale, records, blocks, half)]
+    parts.append(_as_bytes(low, records, blocks, half))
     return torch.cat(parts, -1).reshape(records, -1).contiguous()
 
 

@@ -464,15 +464,15 @@ int64_t avx512_forms(int64_t request) {
 // sequence of operations on its own row's inputs whatever the pass size or the rows beside it, as in the kernel
 // classes above (the numbers differ from theirs in the last bits: the products are exact here, rounded there).
 //
-// Weights: per 16 output features and block one record, Q4_1 [256 bytes of quants | d x 16 | m x 16] and Q8_0
-// [512 bytes of quants | d x 16]: the quants in the B-tile order of a 32-deep block (8 tile rows of 16 features x 4
+// Weights: per 16 output features and block one record, Q4_1 [256 bytes of quants | d x 16 | m x 16, float16: five
+// cache lines] and Q8_0 [512 bytes of quants | d x 16, float32]: the quants in the B-tile order of a 32-deep block (8 tile rows of 16 features x 4
 // consecutive inputs), Q4_1's two tile rows 2c and 2c + 1 in the low and high nibbles of 64 bytes c.
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,amx-tile,amx-int8")
 namespace tiles {
 
 constexpr int64_t kFeatures = 16;   // outputs per record (a tile's 16 int32 columns)
-constexpr int64_t kQ41Record = 256 + 2 * 64, kQ80Record = 512 + 64;
+constexpr int64_t kQ41Record = 256 + 2 * 32, kQ80Record = 512 + 64;  // Q4_1: d and m in float16
 constexpr int kChunk = 8;           // rows per tile product: a0 rows fill 8 tile rows, a1 / a2 rows 16
 constexpr int64_t kAhead = 4;       // blocks a record stream is prefetched ahead of its product
 
@@ -565,8 +565,11 @@ inline void unpack_q4(const uint8_t* rec, uint8_t* out) {
 template <bool kQ4, int kRows>
 inline void scale_into(__m512* acc, const int32_t* c0, const int32_t* c12, const uint8_t* rec, const float* step,
                        const float* sum, int64_t blocks) {
-  const __m512 d = _mm512_loadu_ps(reinterpret_cast<const float*>(rec + (kQ4 ? 256 : 512)));
-  const __m512 m = kQ4 ? _mm512_loadu_ps(reinterpret_cast<const float*>(rec + 320)) : _mm512_setzero_ps();
+  // Q4_1's d and m are float16 values (exactly: the GGUF's), widened here; Q8_0's d is stored as float32
+  const __m512 d = kQ4 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 256)))
+                       : _mm512_loadu_ps(reinterpret_cast<const float*>(rec + 512));
+  const __m512 m = kQ4 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 288)))
+                       : _mm512_setzero_ps();
 #pragma GCC unroll 8
   for (int i = 0; i < kRows; ++i) {
     __m512 t = _mm512_cvtepi32_ps(_mm512_load_si512(c12 + 32 * i + 16));
