@@ -13,6 +13,10 @@ Every output of the kernel is one fixed sequence of float32 operations, whatever
 result does not depend on the rows beside it. The kernels are C++ (AVX2 + FMA, and AVX-512 forms giving the same
 bits, chosen at run time where the CPU has them) compiled once per machine into the cache directory with the system
 compiler; where that is impossible the fast runtime keeps the float32 GEMM.
+
+Where the CPU has AMX-INT8 (Sapphire Rapids and later Xeons) every block pass multiplies on the AMX tiles instead:
+each row's block of inputs on a 24-bit fixed-point grid, exact integer sums against the quants, float32 scaling
+(float32-accurate, one kernel for every pass size; :data:`AMX_ENV`, :func:`amx`, docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -397,12 +401,15 @@ class BlockWeights:
     per group of 8 features, block and position, one 32-bit word (Q4_1: feature f in bits 4f..4f+3) or 8 bytes
     (Q8_0)."""
     tiles: torch.Tensor | None = None
-    """The blocks as AMX tile records (:func:`_tile_records`), which every pass multiplies where the CPU has AMX-INT8
-    (:func:`tiles_active`); None elsewhere."""
+    """The blocks again as AMX tile records (:func:`_q4_1_tiles`, :func:`_q8_0_tiles`), which every pass multiplies
+    where the CPU has AMX-INT8 (:func:`tiles_active`); None where it has not."""
 
     @property
     def nbytes(self) -> int:
-        """Bytes a one-row pass reads (the lane layout serves longer passes instead of ``qs``)."""
+        """Bytes a one-row pass reads (the lane layout serves longer passes instead of ``qs``; on AMX the tile
+        records serve every pass)."""
+        if self.tiles is not None and tiles_active():
+            return self.tiles.numel() + (self.exception_weight.numel() * 4 if self.exception_weight is not None else 0)
         parts = [self.qs, self.scale, self.minimum, self.exception_weight]
         return sum(p.numel() * p.element_size() for p in parts if p is not None)
 
@@ -430,6 +437,12 @@ class BlockWeights:
         eps) the rows multiplied are ``rms_norm(x) * weight``, normalised in the same call."""
         x = x.contiguous()
         weight, eps = norm if norm is not None else (None, 1e-5)
+        # The float32 exception rows ride with the extra rows, computed in the kernel one fixed chain per row (an
+        # F.linear GEMM's numbers would depend on how many rows the pass has).
+        exceptions = self.exception_weight if self.exception_rows is not None else None
+        count = 0 if exceptions is None else int(exceptions.shape[0])
+        if exceptions is not None:
+            extra = exceptions if extra is None else torch.cat([exceptions, extra])
         if self.kind == "q4_1":
             assert self.minimum is not None
             y = torch.ops.agent_mtp_blockq.q4_1_linear(
@@ -440,12 +453,13 @@ class BlockWeights:
                 x, self.qs, self.scale, extra, None, weight, eps, self.lanes, self.tiles
             )
         padded = int(self.qs.shape[0])
-        if padded != self.out_features:
-            y = y[:, : self.out_features] if extra is None else torch.cat([y[:, : self.out_features], y[:, padded:]], 1)
-        if self.exception_rows is not None and self.exception_weight is not None:
-            rows_in = x if norm is None else torch.nn.functional.rms_norm(x, (x.shape[-1],), norm[0], norm[1])
-            y[:, self.exception_rows] = torch.nn.functional.linear(rows_in, self.exception_weight)
-        return y  # type: ignore[no-any-return]
+        if padded == self.out_features and count == 0:
+            return y  # type: ignore[no-any-return]
+        block = y[:, : self.out_features]
+        if exceptions is not None:
+            block[:, self.exception_rows] = y[:, padded : padded + count]
+        tail = y[:, padded + count :]
+        return block if tail.shape[1] == 0 else torch.cat([block, tail], 1)
 
 
 def block_weights(weight: torch.Tensor) -> BlockWeights | None:
