@@ -275,14 +275,19 @@ def test_block_passes_match_hf_and_the_float32_gemm(engine: MTPEngine) -> None:
     torch.testing.assert_close(blocks.forward(ids, blocks.new_cache(), 1)[0], hf, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("mode", ["ntp", "verified"])
-def test_greedy_on_block_weights_equals_hf(engine: MTPEngine, mode: str) -> None:
+def assert_greedy_equals_hf(engine: MTPEngine, mode: str) -> None:
+    """``engine`` in ``mode`` (k_max 4) gives HF ``generate``'s greedy tokens on three random prompts."""
     hf = engine.with_runtime("hf")
     for seed in range(3):
         prompt = _random_ids(5 + 7 * seed, seed)
         cfg = DecodeConfig(mode="ntp", max_new_tokens=30)
         expected = hf.generate(prompt, cfg).token_ids
         assert engine.generate(prompt, cfg.replace(mode=mode, k_max=4)).token_ids == expected, (seed, mode)
+
+
+@pytest.mark.parametrize("mode", ["ntp", "verified"])
+def test_greedy_on_block_weights_equals_hf(engine: MTPEngine, mode: str) -> None:
+    assert_greedy_equals_hf(engine, mode)
 
 
 def test_bench_curves_time_the_fast_runtime_with_and_without_block_weights(engine: MTPEngine) -> None:

@@ -13,10 +13,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from agent_mtp.engine import DecodeConfig, MTPEngine
+from agent_mtp.engine import MTPEngine
 from agent_mtp.engine.fast import FastModel, blockq
 from agent_mtp.engine.fast.model import BatchItem
-from tests.unit.test_fast_blockq import _engine, q4_1, q8_0
+from tests.unit.test_fast_blockq import _engine, assert_greedy_equals_hf, q4_1, q8_0
 from tests.unit.test_fast_runtime import _random_ids
 
 pytestmark = pytest.mark.skipif(
@@ -197,12 +197,7 @@ def test_batched_tile_passes_give_each_sequence_its_single_bits(
 
 @pytest.mark.parametrize("mode", ["ntp", "verified"])
 def test_greedy_on_tiles_equals_hf(engine: MTPEngine, mode: str) -> None:
-    hf = engine.with_runtime("hf")
-    for seed in range(3):
-        prompt = _random_ids(5 + 7 * seed, seed)
-        cfg = DecodeConfig(mode="ntp", max_new_tokens=30)
-        expected = hf.generate(prompt, cfg).token_ids
-        assert engine.generate(prompt, cfg.replace(mode=mode, k_max=4)).token_ids == expected, (seed, mode)
+    assert_greedy_equals_hf(engine, mode)
 
 
 def test_bench_curves_time_the_tiles_beside_the_avx_kernels(engine: MTPEngine) -> None:

@@ -465,8 +465,9 @@ int64_t avx512_forms(int64_t request) {
 // classes above (the numbers differ from theirs in the last bits: the products are exact here, rounded there).
 //
 // Weights: per 16 output features and block one record, Q4_1 [256 bytes of quants | d x 16 | m x 16, float16: five
-// cache lines] and Q8_0 [512 bytes of quants | d x 16, float32]: the quants in the B-tile order of a 32-deep block (8 tile rows of 16 features x 4
-// consecutive inputs), Q4_1's two tile rows 2c and 2c + 1 in the low and high nibbles of 64 bytes c.
+// cache lines] and Q8_0 [512 bytes of quants | d x 16, float32]: the quants in the B-tile order of a 32-deep block
+// (8 tile rows of 16 features x 4 consecutive inputs), Q4_1's tile rows 2c and 2c + 1 in the low and high nibbles of
+// the 64 bytes c.
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,amx-tile,amx-int8")
 namespace tiles {
@@ -490,8 +491,8 @@ inline void configure(int chunk) {
   c.rows[1] = chunk, c.colsb[1] = 32;
   c.rows[2] = 2 * chunk, c.colsb[2] = 32;
   c.rows[3] = chunk, c.colsb[3] = 64;
-      c.rows[4] = 2 * chunk, c.colsb[4] = 64;
-  c.rows[5] = 8, c.colsb[5] = 64;  // 5-7: B, C of a1 and C of a2, a2 of the second stream
+  c.rows[4] = 2 * chunk, c.colsb[4] = 64;
+  c.rows[5] = 8, c.colsb[5] = 64;  // the second stream's B, C of a0 and C of a1 / a2
   c.rows[6] = chunk, c.colsb[6] = 64;
   c.rows[7] = 2 * chunk, c.colsb[7] = 64;
   _tile_loadconfig(&c);
@@ -580,6 +581,21 @@ inline void scale_into(__m512* acc, const int32_t* c0, const int32_t* c12, const
   }
 }
 
+// One block's exact sums of a record stream: C of a0 into tile C0, of a1 / a2 into C12, its quants in tile B (the
+// inputs in tiles 1 and 2, shared by both streams). A macro: the tile intrinsics take literal register numbers.
+#define AGENT_MTP_BLOCK_SUMS(kQ4, B, C0, C12) \
+  do {                                        \
+    _tile_zero(C0);                           \
+    _tile_zero(C12);                          \
+    if constexpr (kQ4) { /* unsigned quants */ \
+      _tile_dpbsud(C0, 1, B);                 \
+      _tile_dpbuud(C12, 2, B);                \
+    } else { /* signed quants */              \
+      _tile_dpbssd(C0, 1, B);                 \
+      _tile_dpbusd(C12, 2, B);                \
+    }                                         \
+  } while (false)
+
 // y[i, 0:16] (and y[i, 16:32] for a pair) (+)= rows r0 + i (i < kRows) of the grid against one or two record streams
 // (16 features each, every block). Both streams share the block's A tiles; tiles 0-4 serve stream a, 5-7 stream b,
 // so the two streams' products and scaling overlap; a Q4_1 block is unpacked one block ahead of its product.
@@ -618,26 +634,8 @@ inline void chunk_product(const Grid& g, int64_t rows, int64_t r0, int64_t block
     }
     _tile_loadd(1, g.a0.data() + (b * rows + r0) * kBlock, kBlock);
     _tile_loadd(2, g.a12.data() + (b * rows + r0) * 2 * kBlock, kBlock);
-    _tile_zero(3);
-    _tile_zero(4);
-    if constexpr (kQ4) {
-      _tile_dpbsud(3, 1, 0);
-      _tile_dpbuud(4, 2, 0);
-    } else {
-      _tile_dpbssd(3, 1, 0);
-      _tile_dpbusd(4, 2, 0);
-    }
-    if constexpr (kPair) {
-      _tile_zero(6);
-      _tile_zero(7);
-      if constexpr (kQ4) {
-        _tile_dpbsud(6, 1, 5);
-        _tile_dpbuud(7, 2, 5);
-      } else {
-        _tile_dpbssd(6, 1, 5);
-        _tile_dpbusd(7, 2, 5);
-      }
-    }
+    AGENT_MTP_BLOCK_SUMS(kQ4, 0, 3, 4);
+    if constexpr (kPair) AGENT_MTP_BLOCK_SUMS(kQ4, 5, 6, 7);
     _tile_stored(3, c0[0], 64);
     _tile_stored(4, c12[0], 64);
     if constexpr (kPair) {
@@ -650,8 +648,10 @@ inline void chunk_product(const Grid& g, int64_t rows, int64_t r0, int64_t block
   for (int i = 0; i < kRows; ++i) {
     float* yr = y + i * ldy;
     _mm512_storeu_ps(yr, add ? _mm512_add_ps(_mm512_loadu_ps(yr), acc_a[i]) : acc_a[i]);
-    if constexpr (kPair)
-      _mm512_mask_storeu_ps(yr + 16, keep_b, add ? _mm512_add_ps(_mm512_maskz_loadu_ps(keep_b, yr + 16), acc_b[i]) : acc_b[i]);
+    if constexpr (kPair) {
+      const __m512 before = add ? _mm512_maskz_loadu_ps(keep_b, yr + 16) : _mm512_setzero_ps();
+      _mm512_mask_storeu_ps(yr + 16, keep_b, add ? _mm512_add_ps(before, acc_b[i]) : acc_b[i]);
+    }
   }
 }
 
@@ -695,6 +695,8 @@ void records_product(const Grid& g, int64_t rows, int64_t blocks, const uint8_t*
     }
   }
 }
+
+#undef AGENT_MTP_BLOCK_SUMS
 
 inline void release() { _tile_release(); }
 
@@ -821,7 +823,8 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& qs, const at::T
     // float32 extra rows.
     const int64_t records = (out_features + tiles::kFeatures - 1) / tiles::kFeatures;
     const int64_t record = q4 ? tiles::kQ41Record : tiles::kQ80Record;
-    TORCH_CHECK(tiles->scalar_type() == at::kByte && tiles->is_contiguous() && tiles->numel() == records * blocks * record,
+    TORCH_CHECK(tiles->scalar_type() == at::kByte && tiles->is_contiguous() &&
+                    tiles->numel() == records * blocks * record,
                 "tiles must be a contiguous uint8 [ceil(out / 16), in / 32 * ", record, "] tensor");
     const tiles::Grid grid = tiles::on_grid(xp, rows, k);
     const uint8_t* tp = tiles->data_ptr<uint8_t>();
@@ -1358,50 +1361,45 @@ void low_rank_add(at::Tensor target, const at::Tensor& low, const at::Tensor& b_
   const float* lp = low.data_ptr<float>();
   float* tp = target.data_ptr<float>();
   const int64_t ldt = target.stride(0), ldl = low.stride(0), vec_end = out / 8 * 8;
-  std::vector<int64_t> targets;  // the rows of the runs, in order
+  // The runs' rows in tiles of up to 4 x 64-output slices: independent work (each output's sum is the same whatever
+  // the split), AVX-512 tiles where the CPU has them and every slice is whole, else the AVX2 loop row by row.
+  std::vector<std::pair<int64_t, int>> row_tiles;
   for (size_t i = 0; i + 1 < runs.size(); i += 2) {
     TORCH_CHECK(0 <= runs[i] && runs[i] <= runs[i + 1] && runs[i + 1] <= target.size(0), "run out of range");
-    for (int64_t r = runs[i]; r < runs[i + 1]; ++r) targets.push_back(r);
+    for (int64_t r = runs[i]; r < runs[i + 1]; r += 4)
+      row_tiles.emplace_back(r, static_cast<int>(std::min<int64_t>(4, runs[i + 1] - r)));
   }
-  // rows x 64-output slices are independent (each output's sum is the same whatever the split)
-  const int64_t slices = (out + 63) / 64;
-  if (cpu_has_avx512() && out % 64 == 0) {  // runs in tiles of up to 4 rows, every slice whole
-    std::vector<std::pair<int64_t, int>> tiles_of_rows;
-    for (size_t i = 0; i + 1 < runs.size(); i += 2)
-      for (int64_t r = runs[i]; r < runs[i + 1]; r += 4)
-        tiles_of_rows.emplace_back(r, static_cast<int>(std::min<int64_t>(4, runs[i + 1] - r)));
-    const int64_t work = static_cast<int64_t>(tiles_of_rows.size()) * slices;
-    at::parallel_for(0, work, std::max<int64_t>(1, 2048 / std::max<int64_t>(1, rank * 16)), [&](int64_t begin,
-                                                                                                 int64_t end) {
-      for (int64_t slot = begin; slot < end; ++slot) {
-        const auto [r0, count] = tiles_of_rows[slot / slices];
-        const int64_t c0 = (slot % slices) * 64;
+  static const bool has_avx512 = cpu_has_avx512();
+  const bool wide = has_avx512 && out % 64 == 0;
+  const int64_t slices = (out + 63) / 64, work = static_cast<int64_t>(row_tiles.size()) * slices;
+  const int64_t grain = std::max<int64_t>(1, 128 / std::max<int64_t>(1, rank));  // ~32k multiply-adds a chunk
+  at::parallel_for(0, work, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t slot = begin; slot < end; ++slot) {
+      const auto [r0, count] = row_tiles[slot / slices];
+      const int64_t c0 = (slot % slices) * 64, c1 = std::min(out, c0 + 64);
+      if (wide) {
         switch (count) {
           case 4: low_rank_tile<4>(lp, ldl, bp, rank, out, tp, ldt, r0, c0); break;
           case 3: low_rank_tile<3>(lp, ldl, bp, rank, out, tp, ldt, r0, c0); break;
           case 2: low_rank_tile<2>(lp, ldl, bp, rank, out, tp, ldt, r0, c0); break;
           default: low_rank_tile<1>(lp, ldl, bp, rank, out, tp, ldt, r0, c0); break;
         }
+        continue;
       }
-    });
-    return;
-  }
-  const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(1, rank * 64));
-  at::parallel_for(0, static_cast<int64_t>(targets.size()) * slices, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t slot = begin; slot < end; ++slot) {
-      const int64_t r = targets[slot / slices], c0 = (slot % slices) * 64, c1 = std::min(out, c0 + 64);
-      const float* a = lp + r * ldl;
-      float* t = tp + r * ldt;
-      for (int64_t c = c0; c + 8 <= c1; c += 8) {
-        __m256 acc = _mm256_setzero_ps();
-        for (int64_t j = 0; j < rank; ++j)
-          acc = _mm256_fmadd_ps(_mm256_set1_ps(a[j]), _mm256_loadu_ps(bp + j * out + c), acc);
-        _mm256_storeu_ps(t + c, _mm256_add_ps(_mm256_loadu_ps(t + c), acc));
-      }
-      for (int64_t c = std::max(c0, vec_end); c < c1; ++c) {
-        float acc = 0.0f;
-        for (int64_t j = 0; j < rank; ++j) acc = std::fma(a[j], bp[j * out + c], acc);
-        t[c] += acc;
+      for (int64_t r = r0; r < r0 + count; ++r) {
+        const float* a = lp + r * ldl;
+        float* t = tp + r * ldt;
+        for (int64_t c = c0; c + 8 <= c1; c += 8) {
+          __m256 acc = _mm256_setzero_ps();
+          for (int64_t j = 0; j < rank; ++j)
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(a[j]), _mm256_loadu_ps(bp + j * out + c), acc);
+          _mm256_storeu_ps(t + c, _mm256_add_ps(_mm256_loadu_ps(t + c), acc));
+        }
+        for (int64_t c = std::max(c0, vec_end); c < c1; ++c) {
+          float acc = 0.0f;
+          for (int64_t j = 0; j < rank; ++j) acc = std::fma(a[j], bp[j * out + c], acc);
+          t[c] += acc;
+        }
       }
     }
   });
