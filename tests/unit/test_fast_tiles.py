@@ -123,7 +123,7 @@ def test_tile_layout_holds_each_features_inputs_in_b_tile_order() -> None:
 def test_amx_switch_and_kernel_tag() -> None:
     assert blockq.tiles_active() and blockq.kernel_tag() == "blockq6-amx"
     with blockq.amx(False) as on:
-        assert not on and not blockq.tiles_active() and blockq.kernel_tag().startswith("blockq5")
+        assert not on and not blockq.tiles_active() and blockq.kernel_tag().startswith("blockq6")
     assert blockq.tiles_active()
 
 

@@ -221,8 +221,8 @@ def kernel_tag() -> str:
         return "fp32"
     if tiles_active():
         return "blockq6-amx"
-    forms = avx512_forms()  # 5: AVX-512 forms chosen per kernel class (4: attention by key chunks)
-    return {Wide.NONE: "blockq5", Wide.ALL: "blockq5-avx512"}.get(forms, f"blockq5-avx512{(forms.name or '').lower()}")
+    forms = avx512_forms()  # 6: 4-row AVX-512 tiles (5: forms chosen per kernel class)
+    return {Wide.NONE: "blockq6", Wide.ALL: "blockq6-avx512"}.get(forms, f"blockq6-avx512{(forms.name or '').lower()}")
 
 
 def pinned_rows() -> int | None:
