@@ -204,7 +204,9 @@ class FastModel:
         self.layers = [self._prepare_layer(layer, order_q, order_k, prepack, blocks) for layer in decoder.layers]
         self.final_norm = decoder.norm.weight.detach().float()
         self.lm_head = PackedLinear(model.get_output_embeddings().weight.detach(), prepack=prepack, blocks=blocks)
-        self._fused = _fused_weights(self.layers)
+        fused = _fused_weights(self.layers)
+        self._fused = None if fused is None else torch.classes.agent_mtp_blockq.LayerStack(fused)
+        """The decoder weights handed to ``decode_layers`` once (a pass passes this one object)."""
         self.block_rows = self._settle_block_rows()
         """Passes of up to this many rows read the quantization blocks (0: none are kept), longer ones the float32
         GEMM: pinned by ``AGENT_MTP_BLOCK_ROWS``, else measured here for models past the CPU caches."""

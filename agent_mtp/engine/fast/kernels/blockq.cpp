@@ -21,6 +21,7 @@
 #include <cpuid.h>
 #include <immintrin.h>
 #include <sys/syscall.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 #include <unistd.h>
 
@@ -1315,6 +1316,22 @@ std::optional<at::Tensor> present(const at::Tensor& t) {
   return t.numel() > 0 ? std::optional<at::Tensor>(t) : std::nullopt;
 }
 
+// A model's decoder weights for decode_layers (kPerLayer tensors per layer), handed to C++ once at load: a pass then
+// passes one object instead of ~900 tensors that Python unpacked and reference-counted on every call (~2% of a
+// one-token pass on 2 cores), and the optional ones are kept as optionals, not rebuilt per pass.
+struct LayerStack : torch::CustomClassHolder {
+  std::vector<at::Tensor> weights;
+  std::vector<std::optional<at::Tensor>> optional;  // weights[i], or nothing where it is an empty tensor
+
+  explicit LayerStack(std::vector<at::Tensor> all) : weights(std::move(all)) {
+    TORCH_CHECK(!weights.empty() && weights.size() % kPerLayer == 0, "a layer stack needs ", kPerLayer,
+                " weight tensors per layer, got ", weights.size());
+    optional.reserve(weights.size());
+    for (const at::Tensor& t : weights) optional.push_back(present(t));
+  }
+  int64_t layers() const { return static_cast<int64_t>(weights.size()) / kPerLayer; }
+};
+
 // target[r, :] += low[r, :] b_t for the rows r of ``runs`` (flattened [start, stop) pairs): an adapter's low-rank
 // delta at the mask rows. Per 8 outputs, the rank products are summed in order (fused multiply-add) and added to the
 // target once. One call instead of an ATen addmm per run and projection (~90 per pass with masks, each costing more
@@ -1422,13 +1439,11 @@ void add_delta(at::Tensor& x, const at::Tensor& low, const at::Tensor& b_t, at::
 // ``caches`` holds every layer's cache of every sequence, layer-major (layer l, sequence s at l * S + s); sequence s
 // has ``rows[s]`` rows of x, in order, and its new tokens go to positions starts[s]..; ``mask_runs`` are the mask
 // rows as flattened [start, stop) pairs.
-void decode_layers(at::Tensor x, at::TensorList weights, at::TensorList caches, const at::Tensor& rope,
-                   at::IntArrayRef starts, at::IntArrayRef rows, at::IntArrayRef mask_runs, int64_t num_heads,
-                   int64_t kv_heads, int64_t head_dim, int64_t inter, double eps, double scale) {
-  const int64_t layers = static_cast<int64_t>(weights.size()) / kPerLayer;
+void decode_layers(at::Tensor x, const c10::intrusive_ptr<LayerStack>& stack, at::TensorList caches,
+                   const at::Tensor& rope, at::IntArrayRef starts, at::IntArrayRef rows, at::IntArrayRef mask_runs,
+                   int64_t num_heads, int64_t kv_heads, int64_t head_dim, int64_t inter, double eps, double scale) {
+  const int64_t layers = stack->layers();
   const int64_t sequences = static_cast<int64_t>(starts.size());
-  TORCH_CHECK(static_cast<int64_t>(weights.size()) == kPerLayer * layers && layers > 0,
-              "decode_layers needs 30 weight tensors per layer");
   TORCH_CHECK(static_cast<int64_t>(caches.size()) == layers * sequences && sequences > 0,
               "decode_layers needs one cache per layer and sequence");
   TORCH_CHECK(mask_runs.size() % 2 == 0, "mask_runs must be [start, stop) pairs");
@@ -1440,26 +1455,23 @@ void decode_layers(at::Tensor x, at::TensorList weights, at::TensorList caches, 
   for (int64_t layer = 0; layer < layers; ++layer) {
     // per projection: qs, scale, minimum, extra rows (adapter A), adapter B^T, lanes; norms at 0 and 13; tiles at
     // 26-29
-    const at::Tensor* w = weights.data() + layer * kPerLayer;
-    const at::Tensor y = grouped_linear<Q41, Q41Lanes>(x, w[1], w[2], w[3].data_ptr<float>(), 16, present(w[4]),
-                                                       std::nullopt, w[0], eps, present(w[6]),
-                                                       present(w[26]));
+    const at::Tensor* w = stack->weights.data() + layer * kPerLayer;
+    const std::optional<at::Tensor>* o = stack->optional.data() + layer * kPerLayer;
+    const at::Tensor y = grouped_linear<Q41, Q41Lanes>(x, w[1], w[2], w[3].data_ptr<float>(), 16, o[4],
+                                                       std::nullopt, o[0], eps, o[6], o[26]);
     const at::Tensor qkv = with_delta(y, qkv_out, w[5], mask_runs);
     const at::Tensor attended = attend_pairs(qkv, pairs, caches.slice(layer * sequences, sequences), starts, rows,
                                              num_heads, kv_heads, head_dim, scale);
     const at::Tensor low_o = grouped_linear<Q41, Q41Lanes>(attended.contiguous(), w[7], w[8], w[9].data_ptr<float>(),
-                                                           16, present(w[10]), x, std::nullopt, eps, present(w[12]),
-                                                           present(w[27]));
+                                                           16, o[10], x, std::nullopt, eps, o[12], o[27]);
     add_delta(x, low_o, w[11], mask_runs);
     const at::Tensor gu_all = grouped_linear<Q41, Q41Lanes>(x, w[14], w[15], w[16].data_ptr<float>(), 16,
-                                                            present(w[17]), std::nullopt, w[13], eps, present(w[19]),
-                                                            present(w[28]));
+                                                            o[17], std::nullopt, o[13], eps, o[19], o[28]);
     const at::Tensor gate_up = with_delta(gu_all, 2 * inter, w[18], mask_runs);
     at::Tensor act = at::silu(gate_up.slice(1, 0, inter));
     act.mul_(gate_up.slice(1, inter, 2 * inter));
     const at::Tensor low_d = grouped_linear<Q41, Q41Lanes>(act, w[20], w[21], w[22].data_ptr<float>(), 16,
-                                                           present(w[23]), x, std::nullopt, eps, present(w[25]),
-                                                           present(w[29]));
+                                                           o[23], x, std::nullopt, eps, o[25], o[29]);
     add_delta(x, low_d, w[24], mask_runs);
   }
 }
@@ -1486,9 +1498,11 @@ TORCH_LIBRARY(agent_mtp_blockq, m) {
   m.def("amx_supported() -> bool", &amx_supported);
   m.def("low_rank_add(Tensor(a!) target, Tensor low, Tensor b_t, int[] runs) -> ()");
   // every decoder layer of a short block pass (one sequence or a batch), in place on x and the caches (see above)
+  m.class_<LayerStack>("LayerStack").def(torch::init<std::vector<at::Tensor>>()).def("layers", &LayerStack::layers);
   m.def(
-      "decode_layers(Tensor(a!) x, Tensor[] weights, Tensor(b!)[] caches, Tensor rope, int[] starts, int[] rows, "
-      "int[] mask_runs, int num_heads, int kv_heads, int head_dim, int inter, float eps, float scale) -> ()");
+      "decode_layers(Tensor(a!) x, __torch__.torch.classes.agent_mtp_blockq.LayerStack weights, Tensor(b!)[] caches, "
+      "Tensor rope, int[] starts, int[] rows, int[] mask_runs, int num_heads, int kv_heads, int head_dim, int inter, "
+      "float eps, float scale) -> ()");
   // RoPE, the cache write and causal attention of a pass's new rows, every sequence (segment) of it in one call
   m.def(
       "attend(Tensor(a!) qkv, Tensor rope, Tensor(b!)[] caches, int[] starts, int[] rows, int num_heads, "
