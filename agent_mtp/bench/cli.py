@@ -309,14 +309,17 @@ def _table(title: str, columns: Sequence[str]) -> Table:
 def speed_table(summaries: Sequence[VariantSummary], title: str) -> Table:
     table = _table(
         title,
-        ("variant", "tokens", "tokens/s", "x HF", "tokens/fwd", "TTFT ms", "x HF", "P50 s", "x HF", "P95 s", "x HF"),
-    )
+        ("variant", "tokens", "tokens/s", "x HF", "decode tok/s", "x HF", "tokens/fwd", "TTFT ms", "x HF", "P50 s",
+         "x HF", "P95 s", "x HF"),
+    )  # fmt: skip
     for s in summaries:
         table.add_row(
             s.variant,
             str(s.tokens),
             _f(s.tokens_per_s, ".1f"),
             _f(s.speedup_vs_hf),
+            _f(s.decode_tokens_per_s, ".1f"),
+            _f(s.decode_speedup_vs_hf),
             _f(s.tokens_per_forward),
             _f(s.ttft_s * 1000, ".0f"),
             _f(s.ttft_vs_hf),
@@ -453,6 +456,7 @@ def ab_table(report: ABReport) -> Table:
         ("quality", "base-model NLL / token", a.summary.nll, b.summary.nll, "num"),
         ("quality", "repetition (rep-4)", a.summary.repetition, b.summary.repetition, "pct"),
         ("speed", "tokens/s", a.summary.tokens_per_s, b.summary.tokens_per_s, "num"),
+        ("speed", "decode tokens/s", a.summary.decode_tokens_per_s, b.summary.decode_tokens_per_s, "num"),
         ("speed", "tokens/forward", a.summary.tokens_per_forward, b.summary.tokens_per_forward, "num"),
         ("speed", "TTFT median s", a.summary.ttft_s, b.summary.ttft_s, "sec"),
         ("user-facing", "P50 latency s", a.summary.p50_latency_s, b.summary.p50_latency_s, "sec"),

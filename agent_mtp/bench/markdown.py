@@ -24,14 +24,16 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 
 def speed_markdown(summaries: Sequence[VariantSummary]) -> str:
-    header = ("variant", "tokens", "tokens/s", "speedup vs HF", "tokens/forward", "TTFT ms", "TTFT vs HF",
-              "P50 s", "P50 vs HF", "P95 s", "P95 vs HF")  # fmt: skip
+    header = ("variant", "tokens", "tokens/s", "speedup vs HF", "decode tokens/s", "decode vs HF", "tokens/forward",
+              "TTFT ms", "TTFT vs HF", "P50 s", "P50 vs HF", "P95 s", "P95 vs HF")  # fmt: skip
     rows = [
         (
             f"`{s.variant}`",
             str(s.tokens),
             _num(s.tokens_per_s, ".1f"),
             _num(s.speedup_vs_hf),
+            _num(s.decode_tokens_per_s, ".1f"),
+            _num(s.decode_speedup_vs_hf),
             _num(s.tokens_per_forward),
             _num(s.ttft_s * 1000, ".0f"),
             _num(s.ttft_vs_hf),
@@ -127,6 +129,10 @@ def report_markdown(report: BenchReport) -> str:
         "## Per suite: speedup vs HF generate (tokens/s)",
         "",
         suite_markdown(report, "speedup_vs_hf", _num),
+        "",
+        "## Per suite: decode speedup vs HF generate (tokens/s after the first token)",
+        "",
+        suite_markdown(report, "decode_speedup_vs_hf", _num),
         "",
         "## Per suite: task-level agreement with NTP",
         "",

@@ -333,3 +333,22 @@ def test_bench_runs_prefill_every_prompt_in_full(engine: Any, prompts: list[Any]
     for _ in range(2):
         run_once(engine, variant, prompts[0])
     assert engine.prefix_cache.stats.lookups == before
+
+
+def test_decode_rate_counts_the_tokens_after_the_first_over_the_time_after_it() -> None:
+    from agent_mtp.bench.core import Run, summarise
+
+    runs = [
+        # HF: 11 tokens in 2.5 s, the first after 0.5 s -> 10 tokens in 2.0 s
+        Run("hf", "a", list(range(11)), wall_s=2.5, ttft_s=0.5, forward_passes=11),
+        # engine: two runs pooled, 21 + 5 tokens; (20 + 4) tokens in (1.0 + 0.2) s after their first ones
+        Run("ntp", "a", list(range(21)), wall_s=1.5, ttft_s=0.5, forward_passes=21),
+        Run("ntp", "b", list(range(5)), wall_s=0.6, ttft_s=0.4, forward_passes=5),
+        # a run without a TTFT is left out of the decode rate (not of tokens/s)
+        Run("ntp", "c", list(range(7)), wall_s=0.3, ttft_s=math.nan, forward_passes=7),
+    ]
+    hf, ntp = summarise(runs, [Variant("hf"), Variant("ntp", config=DecodeConfig(mode="ntp"))])
+    assert hf.decode_tokens_per_s == pytest.approx(5.0) and hf.decode_speedup_vs_hf == pytest.approx(1.0)
+    assert ntp.decode_tokens_per_s == pytest.approx(24 / 1.2)
+    assert ntp.decode_speedup_vs_hf == pytest.approx(4.0)
+    assert ntp.tokens_per_s == pytest.approx(33 / 2.4)  # the prefill counted
