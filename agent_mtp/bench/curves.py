@@ -55,10 +55,10 @@ def _engine_pass(engine: MTPEngine, prefix: list[int]) -> Callable[[int], None]:
 
 
 def _on_avx(run: Callable[[int], None], *, wide: bool) -> Callable[[int], None]:
-    """The same passes on the AVX block kernels (AMX tiles off), in their AVX-512 (``wide``) or AVX2 forms."""
+    """The same passes on the AVX block kernels (AMX tiles and VNNI off), in their AVX-512 (``wide``) or AVX2 forms."""
 
     def on_avx(n: int) -> None:
-        with blockq.amx(False), blockq.avx512(blockq.avx512_forms() if wide else False):
+        with blockq.avx_kernels(), blockq.avx512(blockq.avx512_forms() if wide else False):
             run(n)
 
     return on_avx
@@ -80,7 +80,7 @@ def measure_curves(
     engine: MTPEngine, *, context: int = 300, rounds: int = 5, llama_cpp: Any = None, seed: int = 0
 ) -> CurveReport:
     """Time n-token passes on every runtime (``engine``'s model on "hf", "fast" and, where the fast runtime reads
-    block weights, "fast-fp32" (float32 GEMM only), where its passes run on AMX tiles, "fast-avx512" (the AVX kernels
+    block weights, "fast-fp32" (float32 GEMM only), where its passes run on AMX tiles or VNNI, "fast-avx512" (the AVX kernels
     instead) and, where its kernels run in AVX-512, "fast-avx2" (the AVX kernels in their AVX2 forms), plus
     ``llama_cpp`` if given)."""
     high = min(1000, engine.mask_token_id)
@@ -89,7 +89,7 @@ def measure_curves(
     passes: dict[str, Callable[[int], None]] = {r: _engine_pass(engine.with_runtime(r), prefix) for r in runtimes}
     if "fast" in runtimes and blockq.kernel_tag() != "fp32":
         passes["fast-fp32"] = _engine_pass(engine.with_runtime("fast", block_weights=False), prefix)
-        if blockq.tiles_active():
+        if blockq.records_active():
             passes["fast-avx512"] = _on_avx(passes["fast"], wide=True)
         if blockq.avx512_active():
             passes["fast-avx2"] = _on_avx(passes["fast"], wide=False)

@@ -56,18 +56,18 @@ tokens; its own cost curve), to show the AVX-512 forms' gain side by side. Witho
 
 
 FAST_AVX512 = "fast-avx512"
-"""A bench runtime name: the fast runtime with the block kernels in their AVX forms (AMX tiles off) on a CPU with
-AMX-INT8, to show the tiles' gain side by side. Without AMX it is the fast runtime."""
+"""A bench runtime name: the fast runtime with the block kernels in their AVX forms (AMX tiles and VNNI off) on a CPU
+with AMX-INT8 or AVX-512 VNNI, to show the tile records' gain side by side. Without either it is the fast runtime."""
 SIBLINGS = (FAST_AVX2, FAST_AVX512)
 """Runtimes that are the fast runtime with other kernels: sibling engines of their own (own cost curves)."""
 
 
 def kernels_for(runtime: str | None) -> contextlib.AbstractContextManager[object]:
-    """What a variant on ``runtime`` runs inside: the AVX kernels (tiles off) for :data:`FAST_AVX512`, and in their
-    AVX2 forms for :data:`FAST_AVX2`; else the process's choice."""
+    """What a variant on ``runtime`` runs inside: the AVX kernels (tiles and VNNI off) for :data:`FAST_AVX512`, and in
+    their AVX2 forms for :data:`FAST_AVX2`; else the process's choice."""
     stack = contextlib.ExitStack()
     if runtime in SIBLINGS and blockq.kernels_available():
-        stack.enter_context(blockq.amx(False))
+        stack.enter_context(blockq.avx_kernels())
         if runtime == FAST_AVX2:
             stack.enter_context(blockq.avx512(False))
     return stack

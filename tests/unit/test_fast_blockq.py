@@ -22,9 +22,9 @@ pytestmark = pytest.mark.skipif(not blockq.kernels_available(), reason="block-we
 
 @pytest.fixture(autouse=True)
 def _avx_kernels() -> Any:
-    """These tests are of the AVX kernels: AMX tiles (where the CPU has them) are off, tests/unit/test_fast_tiles.py
-    covers them."""
-    with blockq.amx(False):
+    """These tests are of the AVX kernels: AMX tiles and VNNI (where the CPU has them) are off,
+    tests/unit/test_fast_tiles.py covers them."""
+    with blockq.avx_kernels():
         yield
 
 

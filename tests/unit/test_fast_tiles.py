@@ -1,6 +1,7 @@
-"""AMX tile products of block weights: inputs on a 24-bit grid per block, exact integer sums, float32 scaling.
-Close to the float32 GEMM, a row's numbers independent of the rows beside it and of the pass size, and the fast
-runtime on tiles still greedy-exact against HF. Skipped where the CPU (or the OS) gives no AMX-INT8."""
+"""Tile-record products of block weights, on AMX tiles or with AVX-512 VNNI (each path the CPU has, in turn): inputs
+on a 24-bit grid per block, exact integer sums, float32 scaling. Close to the float32 GEMM, a row's numbers
+independent of the rows beside it and of the pass size (and the same on both paths), and the fast runtime on records
+still greedy-exact against HF. Skipped where the CPU (or the OS) gives neither AMX-INT8 nor AVX-512 VNNI."""
 
 from __future__ import annotations
 
@@ -20,17 +21,26 @@ from tests.unit.test_fast_blockq import _engine, assert_greedy_equals_hf, q4_1, 
 from tests.unit.test_fast_runtime import _random_ids
 
 pytestmark = pytest.mark.skipif(
-    not (blockq.kernels_available() and blockq.tiles_wanted()), reason="no AMX-INT8 tiles on this CPU / OS"
+    not (blockq.kernels_available() and blockq.tiles_wanted()),
+    reason="neither AMX-INT8 tiles nor AVX-512 VNNI on this CPU / OS",
 )
 
 QUANTIZE = {"q4_1": q4_1, "q8_0": q8_0}
 
 
-@pytest.fixture(autouse=True)
-def _tiles_on() -> Any:
-    with blockq.amx(True) as on:
-        assert on
-        yield
+def _paths() -> list[str]:
+    if not blockq.kernels_available():
+        return []
+    ops = torch.ops.agent_mtp_blockq
+    return [name for name, ok in (("amx", ops.amx_supported()), ("vnni", ops.vnni_supported())) if ok]
+
+
+@pytest.fixture(autouse=True, params=_paths() or ["none"])
+def path(request: pytest.FixtureRequest) -> Any:
+    """Every test on each record path the CPU has: AMX tiles, or VNNI with the tiles off."""
+    with blockq.amx(request.param == "amx") as amx_on, blockq.vnni(request.param == "vnni"):
+        assert amx_on == (request.param == "amx") and blockq.records_active()
+        yield request.param
 
 
 def _blocks(kind: str, out: int, k: int, seed: int = 0) -> tuple[torch.Tensor, blockq.BlockWeights]:
@@ -120,20 +130,21 @@ def test_tile_layout_holds_each_features_inputs_in_b_tile_order() -> None:
             assert rows[0, 0, kk, 4 * n : 4 * n + 4].tolist() == q[n, 0, 4 * kk : 4 * kk + 4].tolist()
 
 
-def test_amx_switch_and_kernel_tag() -> None:
-    assert blockq.tiles_active() and blockq.kernel_tag() == "blockq6-amx"
-    with blockq.amx(False) as on:
-        assert not on and not blockq.tiles_active() and blockq.kernel_tag().startswith("blockq6")
-    assert blockq.tiles_active()
+def test_record_switches_and_kernel_tag(path: str) -> None:
+    tag = blockq.kernel_tag()
+    assert tag == "blockq6-amx" if path == "amx" else tag.startswith("blockq6") and tag.endswith("-vnni")
+    with blockq.avx_kernels():
+        assert not blockq.records_active() and not blockq.kernel_tag().endswith(("-amx", "-vnni"))
+    assert blockq.records_active() and blockq.kernel_tag() == tag
 
 
-def test_amx_can_be_switched_off_by_environment() -> None:
+def test_the_records_can_be_switched_off_by_environment() -> None:
     code = (
         "from agent_mtp.engine.fast import blockq; import torch; "
         "w = torch.zeros(16, 32); w[:, 0] = 0.9375; b = blockq.block_weights(w); "
-        "print(blockq.tiles_active(), b is not None and b.tiles is None)"
+        "print(blockq.records_active(), b is not None and b.tiles is None)"
     )
-    env = {**os.environ, blockq.AMX_ENV: "0"}
+    env = {**os.environ, blockq.AMX_ENV: "0", blockq.VNNI_ENV: "0"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["False", "True"]
@@ -160,7 +171,7 @@ def test_tile_passes_match_the_avx_kernels_and_hf(engine: MTPEngine) -> None:
 
     def both(tokens: list[int], keep: int) -> tuple[torch.Tensor, torch.Tensor]:
         a = fast.forward(tokens, on_tiles, keep)
-        with blockq.amx(False):
+        with blockq.avx_kernels():
             b = fast.forward(tokens, on_avx, keep)
         return a, b
 
@@ -207,5 +218,18 @@ def test_bench_curves_time_the_tiles_beside_the_avx_kernels(engine: MTPEngine) -
     report = measure_curves(engine, context=16, rounds=1)
     assert {"hf", "fast", "fast-fp32", "fast-avx512"} <= set(report.ms)
     with kernels_for(FAST_AVX512):
-        assert not blockq.tiles_active()
-    assert blockq.tiles_active()
+        assert not blockq.records_active()
+    assert blockq.records_active()
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_amx_and_vnni_give_the_same_bits(kind: str, path: str) -> None:
+    """The two record paths sum the same exact integers and scale them with the same code."""
+    if path != "amx" or "vnni" not in _paths():
+        pytest.skip("needs a CPU with both AMX-INT8 and AVX-512 VNNI")
+    _, blocks = _blocks(kind, 72, 160)
+    x = torch.randn(11, 160)
+    on_tiles = blocks(x)
+    with blockq.amx(False), blockq.vnni(True):
+        assert blockq.vnni_active()
+        assert torch.equal(blocks(x), on_tiles)

@@ -75,6 +75,9 @@ on Zen 4 (which splits 512-bit instructions in two)."""
 AMX_ENV = "AGENT_MTP_AMX"
 """Set to 0 to keep the AVX kernels on a CPU with AMX-INT8 (unset or 1: every block pass multiplies on AMX tiles,
 :func:`tiles_active`)."""
+VNNI_ENV = "AGENT_MTP_VNNI"
+"""Set to 0 to keep the AVX kernels for short passes on a CPU with AVX-512 VNNI but no AMX (unset or 1: passes of up
+to 4 rows multiply the tile records with VNNI's byte products, :func:`vnni_active`: the tiles' numbers)."""
 
 
 class Wide(enum.IntFlag):
@@ -174,14 +177,51 @@ def avx512(enable: bool | Wide) -> Iterator[bool]:
 
 
 def tiles_wanted() -> bool:
-    """Whether weights get an AMX tile layout: the kernels are loaded, the CPU has AMX-INT8 and :data:`AMX_ENV` does
-    not switch them off."""
-    return _switched_on(AMX_ENV) and kernels_available() and bool(torch.ops.agent_mtp_blockq.amx_supported())
+    """Whether weights get the tile records' layout: the kernels are loaded and the CPU has AMX-INT8 (or AVX-512 VNNI)
+    that :data:`AMX_ENV` (:data:`VNNI_ENV`) does not switch off."""
+    if not kernels_available():
+        return False
+    ops = torch.ops.agent_mtp_blockq
+    return (_switched_on(AMX_ENV) and bool(ops.amx_supported())) or (
+        _switched_on(VNNI_ENV) and bool(ops.vnni_supported())
+    )
 
 
 def tiles_active() -> bool:
     """Whether block passes with a tile layout multiply on AMX tiles in this process right now."""
     return kernels_available() and bool(torch.ops.agent_mtp_blockq.amx_tiles(-1))
+
+
+def vnni_active() -> bool:
+    """Whether block passes of up to 4 rows with a tile layout multiply on AVX-512 VNNI in this process right now
+    (AMX tiles, where active, serve every pass instead)."""
+    return kernels_available() and bool(torch.ops.agent_mtp_blockq.vnni_records(-1)) and not tiles_active()
+
+
+def records_active() -> bool:
+    """Whether one-token passes read the tile records (on AMX or VNNI) rather than the AVX kernels' layout."""
+    return tiles_active() or vnni_active()
+
+
+@contextlib.contextmanager
+def vnni(enable: bool) -> Iterator[bool]:
+    """Multiply short passes on AVX-512 VNNI (where the weights have records and the CPU has it) or with the AVX
+    kernels inside the block, process-wide, for benchmarks and tests that compare them. Yields whether it is on."""
+    if not kernels_available():
+        raise ConfigError("The block-weight kernels are not loaded in this process; there is no VNNI path to pick.")
+    switch = torch.ops.agent_mtp_blockq.vnni_records
+    before = bool(switch(-1))
+    try:
+        yield bool(switch(int(enable)))
+    finally:
+        switch(int(before))
+
+
+@contextlib.contextmanager
+def avx_kernels() -> Iterator[None]:
+    """The AVX kernels for every pass (AMX tiles and VNNI off) inside the block."""
+    with amx(False), vnni(False):
+        yield
 
 
 @contextlib.contextmanager
@@ -208,6 +248,7 @@ def kernels_available() -> bool:
             pinned = pinned_forms()
             torch.ops.agent_mtp_blockq.avx512_forms(int(Wide.ALL if pinned is None else pinned))
             torch.ops.agent_mtp_blockq.amx_tiles(int(_switched_on(AMX_ENV)))
+            torch.ops.agent_mtp_blockq.vnni_records(int(_switched_on(VNNI_ENV)))
             return True
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             reason = f"building or loading them failed: {str(e).strip()[:500]}"
@@ -222,7 +263,8 @@ def kernel_tag() -> str:
     if tiles_active():
         return "blockq6-amx"
     forms = avx512_forms()  # 6: 4-row AVX-512 tiles (5: forms chosen per kernel class)
-    return {Wide.NONE: "blockq6", Wide.ALL: "blockq6-avx512"}.get(forms, f"blockq6-avx512{(forms.name or '').lower()}")
+    tag = {Wide.NONE: "blockq6", Wide.ALL: "blockq6-avx512"}.get(forms, f"blockq6-avx512{(forms.name or '').lower()}")
+    return f"{tag}-vnni" if vnni_active() else tag
 
 
 def pinned_rows() -> int | None:
@@ -402,13 +444,14 @@ class BlockWeights:
     (Q8_0)."""
     tiles: torch.Tensor | None = None
     """The blocks again as AMX tile records (:func:`_q4_1_tiles`, :func:`_q8_0_tiles`), which every pass multiplies
-    where the CPU has AMX-INT8 (:func:`tiles_active`); None where it has not."""
+    where the CPU has AMX-INT8 (:func:`tiles_active`), and passes of up to 4 rows where it has AVX-512 VNNI instead
+    (:func:`vnni_active`); None where it has neither."""
 
     @property
     def nbytes(self) -> int:
         """Bytes a one-row pass reads (the lane layout serves longer passes instead of ``qs``; on AMX the tile
         records serve every pass)."""
-        if self.tiles is not None and tiles_active():
+        if self.tiles is not None and records_active():
             return self.tiles.numel() + (self.exception_weight.numel() * 4 if self.exception_weight is not None else 0)
         parts = [self.qs, self.scale, self.minimum, self.exception_weight]
         return sum(p.numel() * p.element_size() for p in parts if p is not None)

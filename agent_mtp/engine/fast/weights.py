@@ -219,7 +219,7 @@ def measure_avx512(linears: Sequence[PackedLinear], *, rounds: int = 3) -> block
     }
 
     def timed(form: blockq.Wide, rows: int) -> float:
-        with blockq.avx512(form):
+        with blockq.avx512(form), blockq.vnni(False):  # the forms of the AVX kernels (VNNI serves short passes)
             start = time.perf_counter()
             for linear in chosen:
                 linear.blocks_product(inputs[linear.in_features][:rows])
@@ -278,7 +278,7 @@ def measure_block_rows(linears: Sequence[PackedLinear], *, rounds: int = 3) -> i
     timed(True, 1)  # warm-up: first-touch pages, oneDNN primitives
     timed(False, 1)
     best, losses = 1, 0
-    for rows in TILE_CROSSOVER_CANDIDATES if blockq.tiles_active() else CROSSOVER_CANDIDATES:
+    for rows in TILE_CROSSOVER_CANDIDATES if blockq.records_active() else CROSSOVER_CANDIDATES:
         on_blocks = on_dense = math.inf
         for _ in range(rounds):
             on_blocks = min(on_blocks, timed(True, rows))

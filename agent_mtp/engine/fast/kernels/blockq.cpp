@@ -473,7 +473,7 @@ int64_t avx512_forms(int64_t request) {
 // (8 tile rows of 16 features x 4 consecutive inputs), Q4_1's tile rows 2c and 2c + 1 in the low and high nibbles of
 // the 64 bytes c.
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,amx-tile,amx-int8")
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,f16c,amx-tile,amx-int8")
 namespace tiles {
 
 constexpr int64_t kFeatures = 16;   // outputs per record (a tile's 16 int32 columns)
@@ -705,6 +705,110 @@ void records_product(const Grid& g, int64_t rows, int64_t blocks, const uint8_t*
 inline void release() { _tile_release(); }
 
 }  // namespace tiles
+
+// ---- VNNI (AVX-512 VNNI without AMX: Zen 4, Ice Lake, Cascade Lake) -------------------------------------------------
+// The same record streams and the same grid as the tiles, multiplied with vpdpbusd (16 int32 lanes, each adding four
+// unsigned x signed byte products): a record block's tile row t (16 features x inputs 4t..4t+3) is one register,
+// multiplied by a broadcast of the row's four grid bytes there. The sums are the tiles' exact integers (Q8_0's signed
+// quants against the signed a0: (a0 + 128) x q minus 128 x sum(q)), scaled by the tiles' own code, so the numbers are
+// the tiles' bit for bit. Against the AVX kernels a block needs no weight rebuilt in float32: ~40 instructions per
+// 512 weights and row instead of ~130, which the one-token pass was bound by. Serves passes of up to 4 rows (longer
+// ones: the lane kernels, which rebuild a weight once for 8 rows).
+namespace vnni {
+
+constexpr int kChunk = 8;  // rows per pass over a record stream
+
+inline __m512i broadcast4(const uint8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return _mm512_set1_epi32(v);
+}
+
+// y[i, 0:16] (+)= rows r0 + i (i < R) of the grid against one record stream (16 features; ``keep``: the features
+// written).
+template <bool kQ4, int R>
+inline void stream_product(const tiles::Grid& g, int64_t rows, int64_t r0, int64_t blocks, const uint8_t* rec,
+                           float* y, int64_t ldy, bool add, __mmask16 keep) {
+  constexpr int64_t record = kQ4 ? tiles::kQ41Record : tiles::kQ80Record;
+  alignas(64) int32_t c0[R * 16], c12[R * 32];
+  __m512 acc[R];
+  for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  const __m512i ones = _mm512_set1_epi8(1);
+  const float* step = g.step.data() + r0 * blocks;
+  const float* sum = g.sum.data() + r0 * blocks;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* rb = rec + b * record;
+    for (int64_t line = 0; line < record; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(rb + tiles::kAhead * record + line), _MM_HINT_T0);
+    __m512i w[8];
+    __m512i qsum = _mm512_setzero_si512();
+    if constexpr (kQ4) {
+      for (int c = 0; c < 4; ++c) {
+        const __m512i v = _mm512_loadu_si512(rb + 64 * c);
+        w[2 * c] = _mm512_and_si512(v, low);
+        w[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      }
+    } else {
+      for (int t = 0; t < 8; ++t) {
+        w[t] = _mm512_loadu_si512(rb + 64 * t);
+        qsum = _mm512_dpbusd_epi32(qsum, ones, w[t]);
+      }
+    }
+    for (int i = 0; i < R; ++i) {
+      const uint8_t* a0 = reinterpret_cast<const uint8_t*>(g.a0.data()) + (b * rows + r0 + i) * kBlock;
+      const uint8_t* a1 = g.a12.data() + (b * rows + r0 + i) * 2 * kBlock;
+      const uint8_t* a2 = a1 + kBlock;
+      __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512(), s2 = _mm512_setzero_si512();
+#pragma GCC unroll 8
+      for (int t = 0; t < 8; ++t) {
+        if constexpr (kQ4)
+          s0 = _mm512_dpbusd_epi32(s0, w[t], broadcast4(a0 + 4 * t));  // unsigned quants x signed a0
+        else
+          s0 = _mm512_dpbusd_epi32(s0, _mm512_xor_si512(broadcast4(a0 + 4 * t), flip), w[t]);  // (a0 + 128) x q
+        s1 = _mm512_dpbusd_epi32(s1, broadcast4(a1 + 4 * t), w[t]);
+        s2 = _mm512_dpbusd_epi32(s2, broadcast4(a2 + 4 * t), w[t]);
+      }
+      if constexpr (!kQ4) s0 = _mm512_sub_epi32(s0, _mm512_slli_epi32(qsum, 7));
+      _mm512_store_si512(c0 + 16 * i, s0);
+      _mm512_store_si512(c12 + 32 * i, s1);
+      _mm512_store_si512(c12 + 32 * i + 16, s2);
+    }
+    tiles::scale_into<kQ4, R>(acc, c0, c12, rb, step + b, sum + b, blocks);
+  }
+  for (int i = 0; i < R; ++i) {
+    float* yr = y + i * ldy;
+    const __m512 before = add ? _mm512_maskz_loadu_ps(keep, yr) : _mm512_setzero_ps();
+    _mm512_mask_storeu_ps(yr, keep, add ? _mm512_add_ps(before, acc[i]) : acc[i]);
+  }
+}
+
+// Outputs f0..f0 + features (1-32: one record stream, or two side by side) for every row, as
+// tiles::records_product.
+template <bool kQ4>
+void records_product(const tiles::Grid& g, int64_t rows, int64_t blocks, const uint8_t* rec, int64_t stride,
+                     float* y, int64_t ldy, bool add, int64_t features) {
+  for (int64_t s = 0; s * tiles::kFeatures < features; ++s) {
+    const int64_t last = std::min<int64_t>(tiles::kFeatures, features - s * tiles::kFeatures);
+    const __mmask16 keep = static_cast<__mmask16>((1u << last) - 1u);
+    const uint8_t* stream = rec + s * stride;
+    float* ys = y + s * tiles::kFeatures;
+    for (int64_t r0 = 0; r0 < rows; r0 += kChunk) {
+      switch (std::min<int64_t>(kChunk, rows - r0)) {
+        case 8: stream_product<kQ4, 8>(g, rows, r0, blocks, stream, ys + r0 * ldy, ldy, add, keep); break;
+        case 7: stream_product<kQ4, 7>(g, rows, r0, blocks, stream, ys + r0 * ldy, ldy, add, keep); break;
+        case 6: stream_product<kQ4, 6>(g, rows, r0, blocks, stream, ys + r0 * ldy, ldy, add, keep); break;
+        case 5: stream_product<kQ4, 5>(g, rows, r0, blocks, stream, ys + r0 * ldy, ldy, add, keep); break;
+        case 4: stream_product<kQ4, 4>(g, rows, r0, blocks, stream, ys + r0 * ldy, ldy, add, keep); break;
+        case 3: stream_product<kQ4, 3>(g, rows, r0, blocks, stream, ys + r0 * ldy, ldy, add, keep); break;
+        case 2: stream_product<kQ4, 2>(g, rows, r0, blocks, stream, ys + r0 * ldy, ldy, add, keep); break;
+        default: stream_product<kQ4, 1>(g, rows, r0, blocks, stream, ys + r0 * ldy, ldy, add, keep); break;
+      }
+    }
+  }
+}
+
+}  // namespace vnni
 #pragma GCC pop_options
 
 // Whether this process may use AMX-INT8 tiles: the CPU has them (CPUID leaf 7: AMX-TILE, AMX-INT8), the OS saves
@@ -734,6 +838,23 @@ bool amx_tiles(int64_t request) {
   TORCH_CHECK(request >= -1 && request <= 1, "amx_tiles takes -1 (leave as is), 0 or 1, got ", request);
   if (request >= 0) g_tiles = request == 1 && amx_supported();
   return g_tiles.load();
+}
+
+// Whether the CPU has what the VNNI record kernels use (AVX-512 F/BW/DQ/VL, VNNI, F16C).
+bool vnni_supported() {
+  __builtin_cpu_init();
+  return cpu_has_avx512() && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("f16c");
+}
+
+std::atomic<bool> g_vnni{false};  // set at load (below): VNNI for short passes that have a record layout
+inline bool vnni_on() { return g_vnni.load(std::memory_order_relaxed); }
+
+// request 1: multiply passes of up to 4 rows on VNNI where the weights have records (and AMX is not in use), 0: not,
+// -1: leave as is. Returns whether VNNI is in use.
+bool vnni_records(int64_t request) {
+  TORCH_CHECK(request >= -1 && request <= 1, "vnni_records takes -1 (leave as is), 0 or 1, got ", request);
+  if (request >= 0) g_vnni = request == 1 && vnni_supported();
+  return g_vnni.load();
 }
 
 // y[r, e] = dot(x[r], dense[e]) for float32 rows e in [e0, e1) (a few, e.g. an adapter's low-rank factor).
@@ -822,9 +943,11 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& qs, const at::T
   using WideLanes = std::conditional_t<q4, wide::Q41Lanes, wide::Q80Lanes>;
   const bool wide_path = by_lanes ? wide_lanes_on() : wide_rows_on();
   // The wide lane kernels take two groups per task (a last odd group takes the AVX2 one: the same numbers).
-  if (tiles.has_value() && tiles_on()) {
-    // AMX: one task per two record streams of 16 features (a last partial one keeps its first features), then the
-    // float32 extra rows.
+  const bool on_tiles = tiles.has_value() && tiles_on();
+  const bool on_vnni = tiles.has_value() && !on_tiles && vnni_on();
+  if (on_tiles || on_vnni) {
+    // AMX (or VNNI): one task per two record streams of 16 features (a last partial one keeps its first features),
+    // then the float32 extra rows.
     const int64_t records = (out_features + tiles::kFeatures - 1) / tiles::kFeatures;
     const int64_t record = q4 ? tiles::kQ41Record : tiles::kQ80Record;
     TORCH_CHECK(tiles->scalar_type() == at::kByte && tiles->is_contiguous() &&
@@ -846,9 +969,13 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& qs, const at::T
           dense_rows(xp, rows, k, dp, e0, std::min(e0 + kGroup, extra), yp + extra_at, width);
           continue;
         }
-        const int64_t f0 = task * 2 * tiles::kFeatures;
-        tiles::records_product<q4>(grid, rows, blocks, tp + 2 * task * blocks * record, blocks * record, op + f0, ldo,
-                                   add, std::min(2 * tiles::kFeatures, out_features - f0), configured);
+        const int64_t f0 = task * 2 * tiles::kFeatures, features = std::min(2 * tiles::kFeatures, out_features - f0);
+        const uint8_t* streams = tp + 2 * task * blocks * record;
+        if (on_vnni)
+          vnni::records_product<q4>(grid, rows, blocks, streams, blocks * record, op + f0, ldo, add, features);
+        else
+          tiles::records_product<q4>(grid, rows, blocks, streams, blocks * record, op + f0, ldo, add, features,
+                                     configured);
       }
       if (configured != 0) tiles::release();
     });
@@ -1496,6 +1623,10 @@ TORCH_LIBRARY(agent_mtp_blockq, m) {
   m.def("amx_tiles(int request=-1) -> bool", &amx_tiles);
   // whether the CPU and the OS let this process use AMX-INT8 tiles
   m.def("amx_supported() -> bool", &amx_supported);
+  // whether passes of up to 4 rows with a record layout multiply on AVX-512 VNNI where AMX is not in use (1: where
+  // the CPU has it, 0: not, -1: as is); whether the CPU has it
+  m.def("vnni_records(int request=-1) -> bool", &vnni_records);
+  m.def("vnni_supported() -> bool", &vnni_supported);
   m.def("low_rank_add(Tensor(a!) target, Tensor low, Tensor b_t, int[] runs) -> ()");
   // every decoder layer of a short block pass (one sequence or a batch), in place on x and the caches (see above)
   m.class_<LayerStack>("LayerStack").def(torch::init<std::vector<at::Tensor>>()).def("layers", &LayerStack::layers);
