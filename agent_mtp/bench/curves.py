@@ -80,9 +80,9 @@ def measure_curves(
     engine: MTPEngine, *, context: int = 300, rounds: int = 5, llama_cpp: Any = None, seed: int = 0
 ) -> CurveReport:
     """Time n-token passes on every runtime (``engine``'s model on "hf", "fast" and, where the fast runtime reads
-    block weights, "fast-fp32" (float32 GEMM only), where its passes run on AMX tiles or VNNI, "fast-avx512" (the AVX kernels
-    instead) and, where its kernels run in AVX-512, "fast-avx2" (the AVX kernels in their AVX2 forms), plus
-    ``llama_cpp`` if given)."""
+    block weights, "fast-fp32" (float32 GEMM only), where its passes run on AMX tiles or VNNI, "fast-avx512" (the
+    AVX kernels instead) and, where its kernels run in AVX-512, "fast-avx2" (the AVX kernels in their AVX2 forms),
+    plus ``llama_cpp`` if given)."""
     high = min(1000, engine.mask_token_id)
     prefix = [int(t) for t in torch.randint(3, high, (context,), generator=torch.Generator().manual_seed(seed))]
     runtimes: tuple[Runtime, ...] = ("hf", "fast") if unsupported_reason(engine.model) is None else ("hf",)
