@@ -150,8 +150,9 @@ CROSSOVER_CANDIDATES = (2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 31)
 """Row counts at which :func:`measure_block_rows` compares the two weight paths (31: attention of longer passes
 switches to SDPA)."""
 TILE_CROSSOVER_CANDIDATES = (*CROSSOVER_CANDIDATES, 48, 64, 96, 128, 192, 256)
-"""The candidates where block passes multiply on AMX tiles (:func:`blockq.tiles_active`): there the blocks beat the
-float32 GEMM up to a few hundred rows (batched passes of many sequences), so the scan goes on past 31."""
+"""The candidates where block passes multiply tile records (AMX tiles or VNNI, :func:`blockq.records_active`): there
+the blocks beat the float32 GEMM up to a few hundred rows on AMX (batched passes of many sequences), so the scan goes
+on past 31."""
 CROSSOVER_BYTES = 64 << 20
 """Float32 bytes of weights a crossover measurement multiplies per round: past every CPU cache, as in a real pass."""
 

@@ -14,6 +14,10 @@
 // second of the row kernels from 5 rows up). Within each class every output y[r, n] is one fixed sequence of float32
 // operations whatever the number of rows and however the work is split, so a row's result does not depend on the
 // other rows of its pass; between the classes the summation order differs (last bits).
+//
+// Where the CPU has AMX-INT8 (namespace tiles) or AVX-512 VNNI (namespace vnni), block passes instead multiply the
+// inputs, put on a 24-bit grid per block, by the integer quants exactly and scale the sums in float32: no weight is
+// rebuilt, and both paths give the same numbers, whatever the pass size.
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/silu.h>
