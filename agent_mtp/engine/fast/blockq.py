@@ -76,8 +76,8 @@ AMX_ENV = "AGENT_MTP_AMX"
 """Set to 0 to keep the AVX kernels on a CPU with AMX-INT8 (unset or 1: every block pass multiplies on AMX tiles,
 :func:`tiles_active`)."""
 VNNI_ENV = "AGENT_MTP_VNNI"
-"""Set to 0 to keep the AVX kernels for short passes on a CPU with AVX-512 VNNI but no AMX (unset or 1: passes of up
-to 4 rows multiply the tile records with VNNI's byte products, :func:`vnni_active`: the tiles' numbers)."""
+"""Set to 0 to keep the AVX kernels on a CPU with AVX-512 VNNI but no AMX (unset or 1: every block pass multiplies the
+tile records with VNNI's byte products, :func:`vnni_active`: the tiles' numbers)."""
 
 
 class Wide(enum.IntFlag):
@@ -193,19 +193,19 @@ def tiles_active() -> bool:
 
 
 def vnni_active() -> bool:
-    """Whether block passes of up to 4 rows with a tile layout multiply on AVX-512 VNNI in this process right now
-    (AMX tiles, where active, serve every pass instead)."""
+    """Whether block passes with a tile layout multiply on AVX-512 VNNI in this process right now (AMX tiles, where
+    active, serve them instead)."""
     return kernels_available() and bool(torch.ops.agent_mtp_blockq.vnni_records(-1)) and not tiles_active()
 
 
 def records_active() -> bool:
-    """Whether one-token passes read the tile records (on AMX or VNNI) rather than the AVX kernels' layout."""
+    """Whether block passes read the tile records (on AMX or VNNI) rather than the AVX kernels' layouts."""
     return tiles_active() or vnni_active()
 
 
 @contextlib.contextmanager
 def vnni(enable: bool) -> Iterator[bool]:
-    """Multiply short passes on AVX-512 VNNI (where the weights have records and the CPU has it) or with the AVX
+    """Multiply block passes on AVX-512 VNNI (where the weights have records and the CPU has it) or with the AVX
     kernels inside the block, process-wide, for benchmarks and tests that compare them. Yields whether it is on."""
     if not kernels_available():
         raise ConfigError("The block-weight kernels are not loaded in this process; there is no VNNI path to pick.")
@@ -444,13 +444,13 @@ class BlockWeights:
     (Q8_0)."""
     tiles: torch.Tensor | None = None
     """The blocks again as AMX tile records (:func:`_q4_1_tiles`, :func:`_q8_0_tiles`), which every pass multiplies
-    where the CPU has AMX-INT8 (:func:`tiles_active`), and passes of up to 4 rows where it has AVX-512 VNNI instead
+    where the CPU has AMX-INT8 (:func:`tiles_active`), or with AVX-512 VNNI where it has that instead
     (:func:`vnni_active`); None where it has neither."""
 
     @property
     def nbytes(self) -> int:
-        """Bytes a one-row pass reads (the lane layout serves longer passes instead of ``qs``; on AMX the tile
-        records serve every pass)."""
+        """Bytes a one-row pass reads (the lane layout serves longer passes instead of ``qs``; on AMX or VNNI the
+        tile records serve every pass)."""
         if self.tiles is not None and records_active():
             return self.tiles.numel() + (self.exception_weight.numel() * 4 if self.exception_weight is not None else 0)
         parts = [self.qs, self.scale, self.minimum, self.exception_weight]

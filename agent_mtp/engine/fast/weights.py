@@ -220,7 +220,7 @@ def measure_avx512(linears: Sequence[PackedLinear], *, rounds: int = 3) -> block
     }
 
     def timed(form: blockq.Wide, rows: int) -> float:
-        with blockq.avx512(form), blockq.vnni(False):  # the forms of the AVX kernels (VNNI serves short passes)
+        with blockq.avx512(form), blockq.vnni(False):  # the AVX kernels' forms (they serve where VNNI is off)
             start = time.perf_counter()
             for linear in chosen:
                 linear.blocks_product(inputs[linear.in_features][:rows])

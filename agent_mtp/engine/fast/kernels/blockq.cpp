@@ -716,11 +716,11 @@ inline void release() { _tile_release(); }
 // multiplied by a broadcast of the row's four grid bytes there. The sums are the tiles' exact integers (Q8_0's signed
 // quants against the signed a0: (a0 + 128) x q minus 128 x sum(q)), scaled by the tiles' own code, so the numbers are
 // the tiles' bit for bit. Against the AVX kernels a block needs no weight rebuilt in float32: ~40 instructions per
-// 512 weights and row instead of ~130, which the one-token pass was bound by. Serves passes of up to 4 rows (longer
-// ones: the lane kernels, which rebuild a weight once for 8 rows).
+// 512 weights and row instead of ~130, which the one-token pass was bound by. Serves every pass size (in chunks of
+// 8 rows; from 8 rows on the lane kernels are as fast), so a row's numbers never depend on the pass.
 namespace vnni {
 
-constexpr int kChunk = 8;  // rows per pass over a record stream
+constexpr int kChunk = 8;  // rows per pass over a record stream (its 8 quant registers feed up to 8 rows)
 
 inline __m512i broadcast4(const uint8_t* p) {
   int32_t v;
@@ -853,8 +853,8 @@ bool vnni_supported() {
 std::atomic<bool> g_vnni{false};  // set at load (below): VNNI for short passes that have a record layout
 inline bool vnni_on() { return g_vnni.load(std::memory_order_relaxed); }
 
-// request 1: multiply passes of up to 4 rows on VNNI where the weights have records (and AMX is not in use), 0: not,
-// -1: leave as is. Returns whether VNNI is in use.
+// request 1: multiply block passes on VNNI where the weights have records (and AMX is not in use), 0: not, -1: leave
+// as is. Returns whether VNNI is in use.
 bool vnni_records(int64_t request) {
   TORCH_CHECK(request >= -1 && request <= 1, "vnni_records takes -1 (leave as is), 0 or 1, got ", request);
   if (request >= 0) g_vnni = request == 1 && vnni_supported();
@@ -1627,8 +1627,8 @@ TORCH_LIBRARY(agent_mtp_blockq, m) {
   m.def("amx_tiles(int request=-1) -> bool", &amx_tiles);
   // whether the CPU and the OS let this process use AMX-INT8 tiles
   m.def("amx_supported() -> bool", &amx_supported);
-  // whether passes of up to 4 rows with a record layout multiply on AVX-512 VNNI where AMX is not in use (1: where
-  // the CPU has it, 0: not, -1: as is); whether the CPU has it
+  // whether block passes with a record layout multiply on AVX-512 VNNI where AMX is not in use (1: where the CPU
+  // has it, 0: not, -1: as is); whether the CPU has it
   m.def("vnni_records(int request=-1) -> bool", &vnni_records);
   m.def("vnni_supported() -> bool", &vnni_supported);
   m.def("low_rank_add(Tensor(a!) target, Tensor low, Tensor b_t, int[] runs) -> ()");
