@@ -710,7 +710,7 @@ inline void release() { _tile_release(); }
 
 }  // namespace tiles
 
-// ---- VNNI (AVX-512 VNNI without AMX: Zen 4, Ice Lake, Cascade Lake) -------------------------------------------------
+// ---- VNNI (AVX-512 VNNI and VBMI without AMX: Zen 4, Ice Lake) ------------------------------------------------------
 // The same record streams and the same grid as the tiles, multiplied with vpdpbusd (16 int32 lanes, each adding four
 // unsigned x signed byte products): a record block's tile row t (16 features x inputs 4t..4t+3) is one register,
 // multiplied by a broadcast of the row's four grid bytes there. The sums are the tiles' exact integers (Q8_0's signed
@@ -844,7 +844,7 @@ bool amx_tiles(int64_t request) {
   return g_tiles.load();
 }
 
-// Whether the CPU has what the VNNI record kernels use (AVX-512 F/BW/DQ/VL, VNNI, F16C).
+// Whether the CPU has what the VNNI record kernels use (the AVX-512 forms' F/BW/DQ/VL/VBMI, VNNI, F16C).
 bool vnni_supported() {
   __builtin_cpu_init();
   return cpu_has_avx512() && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("f16c");
