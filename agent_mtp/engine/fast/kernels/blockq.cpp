@@ -850,7 +850,7 @@ bool vnni_supported() {
   return cpu_has_avx512() && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("f16c");
 }
 
-std::atomic<bool> g_vnni{false};  // set at load (below): VNNI for short passes that have a record layout
+std::atomic<bool> g_vnni{false};  // set at load (below): VNNI for block passes that have a record layout
 inline bool vnni_on() { return g_vnni.load(std::memory_order_relaxed); }
 
 // request 1: multiply block passes on VNNI where the weights have records (and AMX is not in use), 0: not, -1: leave
