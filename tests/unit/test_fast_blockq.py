@@ -4,6 +4,7 @@ float32 GEMM and independent of the rows beside them, and the fast runtime on bl
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -570,21 +571,30 @@ def test_attention_kernel_rejects_a_cache_without_room() -> None:
         )
 
 
-def test_fast_model_attends_with_the_kernel_and_batches_give_single_numbers(engine: MTPEngine) -> None:
+def batched_against_single(
+    fast: FastModel, passes: list[list[list[int]]]
+) -> Iterator[tuple[list[int], torch.Tensor, torch.Tensor]]:
+    """Three prompts prefilled alone and as a batch, then each pass of ``passes`` (one token list per sequence)
+    batched and alone, in turn: (tokens, batched logits, single logits) per sequence and pass."""
     from agent_mtp.engine.fast.model import BatchItem
 
-    fast = FastModel.from_hf(engine.model, mask_token_id=engine.mask_token_id)
-    assert fast._attend_kernel
     prompts = [_random_ids(9 + 4 * i, seed=10 + i) for i in range(3)]
     single = [fast.new_cache() for _ in prompts]
     batched = [fast.new_cache() for _ in prompts]
     for ids, cache in zip(prompts, single, strict=True):
         fast.forward(ids, cache, 1)
     fast.forward_batch([BatchItem(ids, cache, 1) for ids, cache in zip(prompts, batched, strict=True)])
+    for steps in passes:
+        expected = [fast.forward(tokens, cache, len(tokens)) for tokens, cache in zip(steps, single, strict=True)]
+        got = fast.forward_batch([BatchItem(t, c, len(t)) for t, c in zip(steps, batched, strict=True)])
+        yield from zip(steps, got, expected, strict=True)
+
+
+def test_fast_model_attends_with_the_kernel_and_batches_give_single_numbers(engine: MTPEngine) -> None:
+    fast = FastModel.from_hf(engine.model, mask_token_id=engine.mask_token_id)
+    assert fast._attend_kernel
     steps = [[5], [7, engine.mask_token_id], [9, 3, 8, 2, 6, 1]]  # block passes and a float32 GEMM pass
-    expected = [fast.forward(tokens, cache, len(tokens)) for tokens, cache in zip(steps, single, strict=True)]
-    got = fast.forward_batch([BatchItem(t, c, len(t)) for t, c in zip(steps, batched, strict=True)])
-    for a, b in zip(got, expected, strict=True):
+    for _, a, b in batched_against_single(fast, [steps]):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 

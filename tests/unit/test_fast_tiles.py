@@ -16,8 +16,7 @@ import torch.nn.functional as F
 
 from agent_mtp.engine import MTPEngine
 from agent_mtp.engine.fast import FastModel, blockq
-from agent_mtp.engine.fast.model import BatchItem
-from tests.unit.test_fast_blockq import _engine, assert_greedy_equals_hf, q4_1, q8_0
+from tests.unit.test_fast_blockq import _engine, assert_greedy_equals_hf, batched_against_single, q4_1, q8_0
 from tests.unit.test_fast_runtime import _random_ids
 
 pytestmark = pytest.mark.skipif(
@@ -193,17 +192,9 @@ def test_batched_tile_passes_give_each_sequence_its_single_bits(
     row included, depends on the rows beside it)."""
     monkeypatch.setenv(blockq.ROWS_ENV, "64")
     fast = FastModel.from_hf(engine.model, mask_token_id=engine.mask_token_id)
-    prompts = [_random_ids(9 + 4 * i, seed=10 + i) for i in range(3)]
-    single = [fast.new_cache() for _ in prompts]
-    batched = [fast.new_cache() for _ in prompts]
-    for ids, cache in zip(prompts, single, strict=True):
-        fast.forward(ids, cache, 1)
-    fast.forward_batch([BatchItem(ids, cache, 1) for ids, cache in zip(prompts, batched, strict=True)])
-    for steps in ([[5], [6], [7]], [[5], [7, engine.mask_token_id], [9, 3, 8, 2, 6, 1]]):
-        expected = [fast.forward(tokens, cache, len(tokens)) for tokens, cache in zip(steps, single, strict=True)]
-        got = fast.forward_batch([BatchItem(t, c, len(t)) for t, c in zip(steps, batched, strict=True)])
-        for tokens, a, b in zip(steps, got, expected, strict=True):
-            assert torch.equal(a, b), tokens
+    passes = [[[5], [6], [7]], [[5], [7, engine.mask_token_id], [9, 3, 8, 2, 6, 1]]]
+    for tokens, a, b in batched_against_single(fast, passes):
+        assert torch.equal(a, b), tokens
 
 
 @pytest.mark.parametrize("mode", ["ntp", "verified"])

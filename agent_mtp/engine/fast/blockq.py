@@ -204,17 +204,23 @@ def records_active() -> bool:
 
 
 @contextlib.contextmanager
-def vnni(enable: bool) -> Iterator[bool]:
-    """Multiply block passes on AVX-512 VNNI (where the weights have records and the CPU has it) or with the AVX
-    kernels inside the block, process-wide, for benchmarks and tests that compare them. Yields whether it is on."""
+def _switched(op: str, enable: bool, missing: str) -> Iterator[bool]:
+    """Set the kernels' on/off switch ``op`` (-1 reads it) to ``enable`` inside the block, process-wide, and back
+    after; yields whether it is on (only where the CPU has the path)."""
     if not kernels_available():
-        raise ConfigError("The block-weight kernels are not loaded in this process; there is no VNNI path to pick.")
-    switch = torch.ops.agent_mtp_blockq.vnni_records
+        raise ConfigError(f"The block-weight kernels are not loaded in this process; there {missing} to pick.")
+    switch = getattr(torch.ops.agent_mtp_blockq, op)
     before = bool(switch(-1))
     try:
         yield bool(switch(int(enable)))
     finally:
         switch(int(before))
+
+
+def vnni(enable: bool) -> contextlib.AbstractContextManager[bool]:
+    """Multiply block passes on AVX-512 VNNI (where the weights have records and the CPU has it) or with the AVX
+    kernels inside the block, process-wide, for benchmarks and tests that compare them. Yields whether it is on."""
+    return _switched("vnni_records", enable, "is no VNNI path")
 
 
 @contextlib.contextmanager
@@ -224,18 +230,10 @@ def avx_kernels() -> Iterator[None]:
         yield
 
 
-@contextlib.contextmanager
-def amx(enable: bool) -> Iterator[bool]:
+def amx(enable: bool) -> contextlib.AbstractContextManager[bool]:
     """Multiply on AMX tiles (where the weights have a tile layout and the CPU has AMX-INT8) or with the AVX kernels
     inside the block, process-wide, for benchmarks and tests that compare them. Yields whether tiles are in use."""
-    if not kernels_available():
-        raise ConfigError("The block-weight kernels are not loaded in this process; there are no AMX tiles to pick.")
-    switch = torch.ops.agent_mtp_blockq.amx_tiles
-    before = bool(switch(-1))
-    try:
-        yield bool(switch(int(enable)))
-    finally:
-        switch(int(before))
+    return _switched("amx_tiles", enable, "are no AMX tiles")
 
 
 @functools.cache
