@@ -173,12 +173,14 @@ def test_weights_that_are_not_blocks_stay_float32() -> None:
     assert blockq.block_weights(torch.randn(16, 48)) is None  # in_features not a multiple of 32
 
 
-def test_a_rows_result_does_not_depend_on_the_rows_beside_it() -> None:
-    """Within each kernel class (row kernels below LANE_ROWS rows, lane kernels from there) a row's numbers are the
-    same whatever the pass size and position; between the classes only the summation order differs."""
-    blocks = blockq.block_weights(q4_1(torch.randn(24, 128)))
-    assert blocks is not None and blocks.lanes is not None
-    lane = blockq.LANE_ROWS
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kind: str) -> None:
+    """Within each kernel class (row kernels below LANE_ROWS rows of their kind, lane kernels from there) a row's
+    numbers are the same whatever the pass size and position; between the classes only the summation order
+    differs."""
+    blocks = blockq.block_weights((q4_1 if kind == "q4_1" else q8_0)(torch.randn(24, 128)))
+    assert blocks is not None and blocks.kind == kind and blocks.lanes is not None
+    lane = blockq.LANE_ROWS[kind]
     x = torch.randn(19, 128)
     short = blocks(x[: lane - 1])
     for n in range(1, lane - 1):
@@ -191,13 +193,15 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it() -> None:
     torch.testing.assert_close(together[: lane - 1], short, atol=2e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
-@pytest.mark.parametrize("rows", [5, 8, 9, 13, 17, 24])
+@pytest.mark.parametrize(
+    ("kind", "rows"),
+    [(k, r) for k in ("q4_1", "q8_0") for r in (2, 3, 4, 5, 8, 9, 13, 17, 24) if r >= blockq.LANE_ROWS[k]],
+)
 def test_lane_kernels_match_the_float32_gemm(rows: int, kind: str) -> None:
-    """Passes of LANE_ROWS rows or more: plain, with extra rows, normed, and added into a residual."""
+    """Passes of LANE_ROWS rows or more (per kind): plain, with extra rows, normed, and added into a residual."""
     weight = (q4_1 if kind == "q4_1" else q8_0)(torch.randn(40, 96))
     blocks = blockq.block_weights(weight)
-    assert blocks is not None and blocks.kind == kind and blocks.lanes is not None and rows >= blockq.LANE_ROWS
+    assert blocks is not None and blocks.kind == kind and blocks.lanes is not None and rows >= blockq.LANE_ROWS[kind]
     x, extra, gain = torch.randn(rows, 96), torch.randn(3, 96), torch.randn(96)
     torch.testing.assert_close(blocks(x), F.linear(x, weight), atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(blocks(x, extra), F.linear(x, torch.cat([weight, extra])), atol=2e-5, rtol=1e-5)
@@ -615,7 +619,11 @@ def test_crossover_measurement_picks_the_faster_path(monkeypatch: pytest.MonkeyP
     for linear in linears:
         product = getattr(linear, f"{slow}_product")
 
-        def slowed(x: torch.Tensor, norm: Any = None, product: Any = product) -> torch.Tensor:
+        lane_rows = blockq.LANE_ROWS[linear.blocks.kind]
+
+        def slowed(
+            x: torch.Tensor, norm: Any = None, product: Any = product, lane_rows: int = lane_rows
+        ) -> torch.Tensor:
             time.sleep(0.002)
             return product(x, norm)
 
@@ -676,8 +684,12 @@ def test_kernel_form_measurement_keeps_the_faster_form_per_class(monkeypatch: py
     for linear in linears:
         product = linear.blocks_product
 
-        def slowed(x: torch.Tensor, norm: Any = None, product: Any = product) -> torch.Tensor:
-            serving = blockq.Wide.ROWS if x.shape[0] < blockq.LANE_ROWS else blockq.Wide.LANES
+        lane_rows = blockq.LANE_ROWS[linear.blocks.kind]
+
+        def slowed(
+            x: torch.Tensor, norm: Any = None, product: Any = product, lane_rows: int = lane_rows
+        ) -> torch.Tensor:
+            serving = blockq.Wide.ROWS if x.shape[0] < lane_rows else blockq.Wide.LANES
             if (serving in blockq.avx512_forms()) != (serving in faster):
                 time.sleep(0.003)
             return product(x, norm)

@@ -51,11 +51,13 @@ the machine's memory bandwidth against its arithmetic (measured on two machines 
 16-31 on the other, where the float32 GEMM ran at less than half the bandwidth)."""
 ROWS_ENV = "AGENT_MTP_BLOCK_ROWS"
 """Set to a whole number to pin the crossover (0: never read the blocks) instead of measuring it."""
-LANE_ROWS = 5
-"""Passes of at least this many rows take the lane kernels (``kLaneRows`` in kernels/blockq.cpp): 8 output features
-per vector, one rebuilt weight vector for every row of a tile; shorter passes the row kernels, which unpack 32
-weights at a time (a one-token pass is bound by memory). Each class gives a row the same numbers whatever the pass
-size; between the classes only the summation order differs."""
+LANE_ROWS = {"q4_1": 5, "q8_0": 2}
+"""Passes of at least this many rows take the lane kernels, per kind of block (``kLaneRows`` of ``Q41Lanes`` and
+``Q80Lanes`` in kernels/blockq.cpp): 8 output features per vector, one rebuilt weight vector for every row of a
+tile; shorter passes the row kernels, which unpack 32 weights at a time (a one-token pass is bound by memory). Q4_1's
+row kernels stay faster up to 4 rows (1.10-1.20x at 2-4 rows, the decoder's four products on Zen 3); Q8_0's lose
+from 2 rows (the output head: 1.12x / 1.8x / 1.9x slower than its lane kernels at 2 / 3 / 4 rows, Zen 3). Each class
+gives a row the same numbers whatever the pass size; between the classes only the summation order differs."""
 BLOCK = 32
 GROUP = 8
 """Output features stored together, block-interleaved, so a kernel reads one contiguous stream per group."""
@@ -85,9 +87,10 @@ class Wide(enum.IntFlag):
 
     NONE = 0
     ROWS = 1
-    """The row kernels (passes under :data:`LANE_ROWS` rows) and the multi-row attention loops of short passes."""
+    """The row kernels (passes under :data:`LANE_ROWS` rows for their kind) and the multi-row attention loops of
+    short passes."""
     LANES = 2
-    """The lane kernels (passes of :data:`LANE_ROWS` rows or more)."""
+    """The lane kernels (passes of :data:`LANE_ROWS` rows or more for their kind)."""
     ALL = 3
 
 
@@ -437,9 +440,9 @@ class BlockWeights:
     exception_rows: torch.Tensor | None
     exception_weight: torch.Tensor | None
     lanes: torch.Tensor | None = None
-    """The quants again, feature-interleaved for the lane kernels that passes of :data:`LANE_ROWS` rows or more take:
-    per group of 8 features, block and position, one 32-bit word (Q4_1: feature f in bits 4f..4f+3) or 8 bytes
-    (Q8_0)."""
+    """The quants again, feature-interleaved for the lane kernels that passes of :data:`LANE_ROWS` rows or more (per
+    kind) take: per group of 8 features, block and position, one 32-bit word (Q4_1: feature f in bits 4f..4f+3) or
+    8 bytes (Q8_0)."""
     tiles: torch.Tensor | None = None
     """The blocks again as AMX tile records (:func:`_q4_1_tiles`, :func:`_q8_0_tiles`), which every pass multiplies
     where the CPU has AMX-INT8 (:func:`tiles_active`), or with AVX-512 VNNI where it has that instead

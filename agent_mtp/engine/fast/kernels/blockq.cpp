@@ -7,13 +7,14 @@
 // float32 with one fused multiply-add (q * d is exact, so it rounds once, as the dequantizer's q * d + m) and
 // multiplied in float32.
 //
-// Two kernels multiply the blocks, each the faster one for its pass size: passes of up to kLaneRows - 1 rows take
-// "row" kernels (each output is 8 lanes over k, lanes summed at the end: the weights' bytes are unpacked 32 at a
-// time, which a one-token pass, bound by memory, needs), longer ones "lane" kernels (8 output features in the 8
-// lanes, one chain over k each: one rebuilt weight vector feeds every row of a tile, ~1.5x the multiply-adds per
-// second of the row kernels from 5 rows up). Within each class every output y[r, n] is one fixed sequence of float32
-// operations whatever the number of rows and however the work is split, so a row's result does not depend on the
-// other rows of its pass; between the classes the summation order differs (last bits).
+// Two kernels multiply the blocks, each the faster one for its pass size: passes under kLaneRows rows (5 for Q4_1,
+// 2 for Q8_0) take "row" kernels (each output is 8 lanes over k, lanes summed at the end: the weights' bytes are
+// unpacked 32 at a time, which a one-token pass, bound by memory, needs), longer ones "lane" kernels (8 output
+// features in the 8 lanes, one chain over k each: one rebuilt weight vector feeds every row of a tile, ~1.5x the
+// multiply-adds per second of the row kernels from 5 rows up for Q4_1; Q8_0's row kernels lose from 2 rows). Within
+// each class every output y[r, n] is one fixed sequence of float32 operations whatever the number of rows and however
+// the work is split, so a row's result does not depend on the other rows of its pass; between the classes the
+// summation order differs (last bits).
 //
 // Where the CPU has AMX-INT8 (namespace tiles) or AVX-512 VNNI (namespace vnni), block passes instead multiply the
 // inputs, put on a 24-bit grid per block, by the integer quants exactly and scale the sums in float32: no weight is
@@ -69,6 +70,19 @@ void check_inputs(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& s
 // pass over a group reads one contiguous stream.
 constexpr int64_t kGroup = 8;
 
+// The row kernels walk a group's stream once per slice of its features (a 2-row pass twice, 3-4 rows four times), the
+// first walk reading only the first of each block's cache lines: it asks for the whole block kAhead blocks ahead
+// (quants and scales), so that the later lines and walks find them in cache instead of waiting on memory. Reads past a
+// group's end fetch the next group's stream (contiguous), which the next task reads.
+constexpr int64_t kAhead = 8;
+inline void prefetch_group_block(const uint8_t* quants, int64_t bytes, const float* d, const float* m, int64_t b) {
+  for (int64_t at = 0; at < bytes; at += 64) _mm_prefetch(reinterpret_cast<const char*>(quants + at), _MM_HINT_T0);
+  if (b % 2 == 0) {  // 8 scales of 4 bytes per block: one line per two blocks
+    _mm_prefetch(reinterpret_cast<const char*>(d + b * kGroup), _MM_HINT_T0);
+    if (m != nullptr) _mm_prefetch(reinterpret_cast<const char*>(m + b * kGroup), _MM_HINT_T0);
+  }
+}
+
 // Rows r0..r0+R against the C features c0..c0+C of one group (Q4_1): y[r, c] = dot(x[r], w[c]).
 template <int R, int C>
 inline void q4_1_kernel(const float* x, int64_t k, const uint8_t* qs, const float* d, const float* m, int c0,
@@ -83,6 +97,7 @@ inline void q4_1_kernel(const float* x, int64_t k, const uint8_t* qs, const floa
     const float* db = d + b * kGroup + c0;
     const float* mb = m + b * kGroup + c0;
     const float* xb = x + b * kBlock;
+    if (c0 == 0) prefetch_group_block(qs + (b + kAhead) * kGroup * 16, 128, d, m, b + kAhead);
 #pragma GCC unroll 8
     for (int c = 0; c < C; ++c) {
       const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qb + c * 16));
@@ -120,6 +135,7 @@ inline void q8_0_kernel(const float* x, int64_t k, const uint8_t* qs, const floa
     const int8_t* qb = reinterpret_cast<const int8_t*>(qs) + (b * kGroup + c0) * 32;
     const float* db = d + b * kGroup + c0;
     const float* xb = x + b * kBlock;
+    if (c0 == 0) prefetch_group_block(qs + (b + kAhead) * kGroup * 32, 256, d, nullptr, b + kAhead);
     for (int c = 0; c < C; ++c) {
       const __m256 vd = _mm256_broadcast_ss(db + c);
       __m256 w[4];
@@ -137,17 +153,17 @@ inline void q8_0_kernel(const float* x, int64_t k, const uint8_t* qs, const floa
     for (int c = 0; c < C; ++c) y[r * ldy + c] = add ? y[r * ldy + c] + lane_sum(acc[r][c]) : lane_sum(acc[r][c]);
 }
 
-// ---- lane kernels (passes of kLaneRows rows or more) -------------------------------------------------------------
+// ---- lane kernels (passes of L::kLaneRows rows or more) ----------------------------------------------------------
 // The quants of a group are also kept feature-interleaved ("lanes"): for group g, block b and position i in the block,
 // the 8 features' quants lie together, [groups][blocks][32][bytes per position]. They become the 8 features' weights
 // at one input position (rebuilt with the same operations as the row kernels), which every row of the tile multiplies
 // into its accumulator (lane f = feature f), so y[r, f] is one chain over k in order.
-constexpr int64_t kLaneRows = 5;
 constexpr int kLaneTile = 8;  // rows per tile: 8 accumulators hide the multiply-add latency (9-13 measured slower)
 
 // Q4_1: one 32-bit word per position, feature f in bits 4f..4f+3; w = q * d + m in one fused multiply-add.
 struct Q41Lanes {
   static constexpr int64_t kBytes = 4;
+  static constexpr int64_t kLaneRows = 5;  // its row kernels' 4-row tiles are faster up to 4 rows
   static inline __m256 weights(const uint8_t* at, __m256 vd, __m256 vm) {
     const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);  // a constant the inlined loop hoists
     int32_t word;
@@ -159,6 +175,7 @@ struct Q41Lanes {
 // Q8_0: 8 signed bytes per position; w = q * d (exact), as the row kernel.
 struct Q80Lanes {
   static constexpr int64_t kBytes = 8;
+  static constexpr int64_t kLaneRows = 2;  // its row kernels lose from 2 rows (1.1-1.9x slower at 2-4 rows, Zen 3)
   static inline __m256 weights(const uint8_t* at, __m256 vd, __m256 /*vm*/) {
     const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(at));
     return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), vd);
@@ -189,7 +206,7 @@ inline void lanes_kernel(const float* x, int64_t k, const uint8_t* lanes, const 
   }
 }
 
-// Rows [0, rows) in tiles of at most kLaneTile rows spread evenly (rows >= kLaneRows: tiles of 4-8): calls
+// Rows [0, rows) in tiles of at most kLaneTile rows spread evenly (9 rows or more: tiles of 4-8): calls
 // tile(first row, std::integral_constant<int, size>) for each, so the kernel is instantiated per tile size.
 template <class Tile>
 inline void for_each_lane_tile(int64_t rows, Tile&& tile) {
@@ -937,7 +954,7 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& qs, const at::T
   const float* d = scale.data_ptr<float>();
   const float* dp = extra > 0 ? dense->data_ptr<float>() : nullptr;
   const int64_t groups = out_features / kGroup;
-  const bool by_lanes = lanes.has_value() && rows >= kLaneRows;
+  const bool by_lanes = lanes.has_value() && rows >= L::kLaneRows;
   if (lanes.has_value())
     TORCH_CHECK(lanes->scalar_type() == at::kByte && lanes->is_contiguous() &&
                     lanes->numel() == groups * blocks * kBlock * L::kBytes,
@@ -1612,7 +1629,7 @@ void decode_layers(at::Tensor x, const c10::intrusive_ptr<LayerStack>& stack, at
 TORCH_LIBRARY(agent_mtp_blockq, m) {
   // extra: float32 rows multiplied after the block rows; residual: add the block rows' products into it (in place;
   // the result then holds only the extra rows'); norm: multiply rms_norm(x, eps) * norm instead of x; lanes: the
-  // quants in the lane kernels' layout, which passes of kLaneRows rows or more then read.
+  // quants in the lane kernels' layout, which passes of kLaneRows rows or more (per kind) then read.
   m.def(
       "q4_1_linear(Tensor x, Tensor qs, Tensor scale, Tensor minimum, Tensor? extra=None, Tensor(a!)? residual=None, "
       "Tensor? norm=None, float eps=1e-5, Tensor? lanes=None, Tensor? tiles=None) -> Tensor");
