@@ -1004,14 +1004,17 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& qs, const at::T
   }
   const int64_t per_task = wide_path && by_lanes ? 2 : 1;
   const int64_t block_tasks = (groups + per_task - 1) / per_task;
-  const int64_t tasks = block_tasks + (extra + kGroup - 1) / kGroup;
-  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      if (task >= block_tasks) {
-        const int64_t e0 = (task - block_tasks) * kGroup;
+  const int64_t dense_tasks = (extra + kGroup - 1) / kGroup, early = dense_tasks / 2;
+  // As on the records' path: the float32 extra rows' tasks (~5x a block task's bytes) half first and half last, so
+  // that the threads' contiguous shares stay even.
+  at::parallel_for(0, block_tasks + dense_tasks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t slot = begin; slot < end; ++slot) {
+      if (slot < early || slot >= early + block_tasks) {
+        const int64_t e0 = (slot < early ? slot : slot - block_tasks) * kGroup;
         dense_rows(xp, rows, k, dp, e0, std::min(e0 + kGroup, extra), yp + extra_at, width);
         continue;
       }
+      const int64_t task = slot - early;
       const int64_t g = task * per_task;
       const uint8_t* qg = q + g * blocks * kGroup * bytes_per_block;
       const float* dg = d + g * blocks * kGroup;
@@ -1514,7 +1517,7 @@ __attribute__((target("avx512f"))) inline void low_rank_tile(const float* lp, in
 }
 
 void low_rank_add(at::Tensor target, const at::Tensor& low, const at::Tensor& b_t, at::IntArrayRef runs) {
-  if (b_t.numel() == 0) return;
+  if (b_t.numel() == 0 || runs.empty()) return;
   const int64_t rank = b_t.size(0), out = b_t.size(1);
   TORCH_CHECK(b_t.dim() == 2 && b_t.scalar_type() == at::kFloat && b_t.is_contiguous(),
               "b_t must be a contiguous float32 [rank, out] tensor");
@@ -1600,26 +1603,32 @@ void decode_layers(at::Tensor x, const c10::intrusive_ptr<LayerStack>& stack, at
   const int64_t qkv_out = q_dim + 2 * kv_dim;
   TORCH_CHECK(rope.scalar_type() == at::kComplexFloat, "rope must be complex64 (cos + i sin per pair)");
   const at::Tensor pairs = at::view_as_real(rope);
+  // The adapter's extra rows (its A factors) are multiplied only for passes with mask rows, the only rows whose
+  // delta is added (a one-token pass reads ~160 KB less float32 per adapted layer).
+  const bool masked = !mask_runs.empty();
+  const std::optional<at::Tensor> none;
   for (int64_t layer = 0; layer < layers; ++layer) {
     // per projection: qs, scale, minimum, extra rows (adapter A), adapter B^T, lanes; norms at 0 and 13; tiles at
     // 26-29
     const at::Tensor* w = stack->weights.data() + layer * kPerLayer;
     const std::optional<at::Tensor>* o = stack->optional.data() + layer * kPerLayer;
-    const at::Tensor y = grouped_linear<Q41, Q41Lanes>(x, w[1], w[2], w[3].data_ptr<float>(), 16, o[4],
-                                                       std::nullopt, o[0], eps, o[6], o[26]);
+    const at::Tensor y = grouped_linear<Q41, Q41Lanes>(x, w[1], w[2], w[3].data_ptr<float>(), 16,
+                                                       masked ? o[4] : none, std::nullopt, o[0], eps, o[6], o[26]);
     const at::Tensor qkv = with_delta(y, qkv_out, w[5], mask_runs);
     const at::Tensor attended = attend_pairs(qkv, pairs, caches.slice(layer * sequences, sequences), starts, rows,
                                              num_heads, kv_heads, head_dim, scale);
     const at::Tensor low_o = grouped_linear<Q41, Q41Lanes>(attended.contiguous(), w[7], w[8], w[9].data_ptr<float>(),
-                                                           16, o[10], x, std::nullopt, eps, o[12], o[27]);
+                                                           16, masked ? o[10] : none, x, std::nullopt, eps, o[12],
+                                                           o[27]);
     add_delta(x, low_o, w[11], mask_runs);
     const at::Tensor gu_all = grouped_linear<Q41, Q41Lanes>(x, w[14], w[15], w[16].data_ptr<float>(), 16,
-                                                            o[17], std::nullopt, o[13], eps, o[19], o[28]);
+                                                            masked ? o[17] : none, std::nullopt, o[13], eps, o[19],
+                                                            o[28]);
     const at::Tensor gate_up = with_delta(gu_all, 2 * inter, w[18], mask_runs);
     at::Tensor act = at::silu(gate_up.slice(1, 0, inter));
     act.mul_(gate_up.slice(1, inter, 2 * inter));
     const at::Tensor low_d = grouped_linear<Q41, Q41Lanes>(act, w[20], w[21], w[22].data_ptr<float>(), 16,
-                                                           o[23], x, std::nullopt, eps, o[25], o[29]);
+                                                           masked ? o[23] : none, x, std::nullopt, eps, o[25], o[29]);
     add_delta(x, low_d, w[24], mask_runs);
   }
 }
