@@ -448,3 +448,52 @@ def test_where_rows_are_dear_the_sources_are_not_asked_and_the_output_stays(monk
     asked.clear()
     engine.generate(prompt, cfg)  # alone, rows are cheap: every pass asks
     assert len(asked) >= 8
+
+
+def _auto_k_planner(curve: CostCurve, rate: float, explore_every: int = 0) -> Planner:
+    return Planner(
+        "confadapt", 16, auto_k=True, curve=curve, rates=AcceptanceRates([rate] * 15), explore_every=explore_every
+    )
+
+
+ZEN3 = CostCurve(((1, 1.0), (2, 1.57), (4, 1.94), (8, 2.45), (16, 4.36), (32, 8.66)))
+"""The engine's curve on a 2-core Zen 3 (AVX2): a second row costs more than half a one-token pass."""
+
+
+def test_auto_k_prices_masks_at_what_they_add_not_against_a_long_pass() -> None:
+    """After a prefill or forced text the pass is dear; masks must not look free beside it (they did: 3-9 masks
+    after every prefill and forced run on the Zen 3 curve, none accepted). The decision for a 300-token pass is the
+    decision for a one-token pass where the curve is straight there."""
+    for rate in (0.3, 0.6, 0.9):
+        one = _auto_k_planner(ZEN3, rate).plan(1, [], budget=100).masks
+        long = _auto_k_planner(ZEN3, rate).plan(300, [], budget=100).masks
+        assert long <= one
+    assert _auto_k_planner(ZEN3, 0.6).plan(300, [], budget=100).masks == 0
+
+
+def test_auto_k_counts_re_feeding_the_accepted_mask_tokens() -> None:
+    """Accepted ConfAdapt tokens come from mask rows and are fed again as real tokens next pass. On a curve where a
+    second row costs 0.57 of a pass, one mask pays only if 1 + p > 1.57 (1 + p): never; a long block pays only for
+    a strong adapter (the curve flattens past 4 rows). Where rows are cheap masks pay even for a weak adapter;
+    flat, every mask does."""
+    steps = [_auto_k_planner(ZEN3, rate).plan(1, [], budget=100).masks for rate in (0.3, 0.5, 0.6, 0.99)]
+    assert steps[:3] == [0, 0, 0] and steps[3] >= 7
+    cheap = CostCurve(((1, 1.0), (2, 1.05), (4, 1.15), (8, 1.35), (16, 1.75), (32, 2.55)))
+    assert _auto_k_planner(cheap, 0.3).plan(1, [], budget=100).masks >= 1
+    assert _auto_k_planner(CostCurve.flat(), 0.5).plan(1, [], budget=100).masks == 15
+    # without the re-feed the same planner took a mask at p = 0.6 here: 1.6 / 1.57 > 1
+    assert _auto_k_planner(ZEN3, 0.6).plan(1, [], budget=100).masks == 0
+
+
+def test_auto_k_explores_within_the_allowance_of_a_one_token_pass() -> None:
+    """Every n-th pass tries more masks so the rates keep learning, at most EXPLORE_OVERHEAD of a one-token pass
+    on average: none where one row is dearer than that (Zen 3), several where rows are cheap, and no more after a
+    prefill than after a one-token pass."""
+    cheap = CostCurve(((1, 1.0), (2, 1.05), (4, 1.15), (8, 1.35), (16, 1.75), (32, 2.55)))
+    for curve, fed in ((ZEN3, 1), (ZEN3, 300), (cheap, 1), (cheap, 300)):
+        planner = _auto_k_planner(curve, 0.01, explore_every=4)
+        masks = [planner.plan(fed, [], budget=100).masks for _ in range(4)]
+        assert masks[:3] == [0, 0, 0]
+        extra = curve.cost(fed + masks[3]) - curve.cost(fed)
+        assert extra <= EXPLORE_OVERHEAD * 4 * curve.cost(1) + 1e-9
+        assert (masks[3] == 0) == (curve is ZEN3)

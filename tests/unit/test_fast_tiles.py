@@ -131,7 +131,7 @@ def test_tile_layout_holds_each_features_inputs_in_b_tile_order() -> None:
 
 def test_record_switches_and_kernel_tag(path: str) -> None:
     tag = blockq.kernel_tag()
-    assert tag == "blockq6-amx" if path == "amx" else tag.startswith("blockq6") and tag.endswith("-vnni")
+    assert tag == "blockq7-amx" if path == "amx" else tag.startswith("blockq7") and tag.endswith("-vnni")
     with blockq.avx_kernels():
         assert not blockq.records_active() and not blockq.kernel_tag().endswith(("-amx", "-vnni"))
     assert blockq.records_active() and blockq.kernel_tag() == tag

@@ -262,9 +262,9 @@ def kernel_tag() -> str:
     if not (enabled() and kernels_available()):
         return "fp32"
     if tiles_active():
-        return "blockq6-amx"
-    forms = avx512_forms()  # 6: 4-row AVX-512 tiles (5: forms chosen per kernel class)
-    tag = {Wide.NONE: "blockq6", Wide.ALL: "blockq6-avx512"}.get(forms, f"blockq6-avx512{(forms.name or '').lower()}")
+        return "blockq7-amx"
+    forms = avx512_forms()  # 7: Q8_0 lanes from 2 rows, row kernels prefetch (6: 4-row AVX-512 tiles)
+    tag = {Wide.NONE: "blockq7", Wide.ALL: "blockq7-avx512"}.get(forms, f"blockq7-avx512{(forms.name or '').lower()}")
     return f"{tag}-vnni" if vnni_active() else tag
 
 
