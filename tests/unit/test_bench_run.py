@@ -319,11 +319,14 @@ def test_cli_demo_runs_every_mode_side_by_side(tiny_model_dir: Path, tmp_path: P
 
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
     threads = torch.get_num_threads()
-    result = CliRunner().invoke(app, ["demo", "--model", str(tiny_model_dir), "--adapter", "none", "--threads", "1"])
+    args = ["demo", "--model", str(tiny_model_dir), "--adapter", "none", "--threads", "1"]
+    result = CliRunner().invoke(app, [*args, "--rounds", "2"])
     torch.set_num_threads(threads)
     assert result.exit_code == 0, result.output
-    for label in ("HF generate", "verified", "confadapt", "fast runtime", "vs ntp"):
-        assert label in result.output
+    for label in ("HF generate", "verified", "confadapt", "fast runtime", "vs ntp", "median of 2 interleaved"):
+        assert label in " ".join(result.output.split())
+    refused = CliRunner().invoke(app, [*args, "--rounds", "0"])
+    assert refused.exit_code == 2 and "--rounds" in refused.output
 
 
 def test_bench_runs_prefill_every_prompt_in_full(engine: Any, prompts: list[Any]):
