@@ -619,11 +619,7 @@ def test_crossover_measurement_picks_the_faster_path(monkeypatch: pytest.MonkeyP
     for linear in linears:
         product = getattr(linear, f"{slow}_product")
 
-        lane_rows = blockq.LANE_ROWS[linear.blocks.kind]
-
-        def slowed(
-            x: torch.Tensor, norm: Any = None, product: Any = product, lane_rows: int = lane_rows
-        ) -> torch.Tensor:
+        def slowed(x: torch.Tensor, norm: Any = None, product: Any = product) -> torch.Tensor:
             time.sleep(0.002)
             return product(x, norm)
 
