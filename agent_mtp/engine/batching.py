@@ -244,7 +244,7 @@ class BatchingRunner(FastRunner):
     def forward(self, tokens: list[int], keep: int) -> torch.Tensor:
         if self._closed:
             raise RuntimeError("This runner left the batch; start a new one.")
-        job = _Job(self, BatchItem(tokens, self.cache, keep), prefill=not self._fed)
+        job = _Job(self, BatchItem(tokens, self.cache, keep, self.coarse_masks), prefill=not self._fed)
         self._fed = True
         self.scheduler._submit(job)
         job.done.wait()
@@ -285,6 +285,7 @@ class SharedPassCurve(CostCurve):
 
     def __init__(self, base: CostCurve, runner: BatchingRunner) -> None:
         object.__setattr__(self, "points", base.points)
+        object.__setattr__(self, "mask_share", base.mask_share)
         object.__setattr__(self, "_base", base)
         object.__setattr__(self, "_runner", runner)
         object.__setattr__(self, "_fit", None)

@@ -24,10 +24,15 @@ class CostCurve:
     """Relative cost of a forward pass by number of tokens fed (cost(1) == 1)."""
 
     points: tuple[tuple[int, float], ...]
+    mask_share: float = 1.0
+    """What a draft-only mask row (``verified``: computed on an 8-bit input grid where the fast runtime's record
+    paths serve the pass) adds to a pass, as a share of what an exact row adds; 1.0 where masks cost as much."""
 
     def __post_init__(self) -> None:
         if not self.points or self.points[0][0] != 1:
             raise ValueError("A cost curve needs a point at n=1.")
+        if not 0.0 < self.mask_share <= 1.0:
+            raise ValueError(f"mask_share={self.mask_share} must be in (0, 1].")
 
     @functools.cached_property
     def _xs(self) -> list[int]:
@@ -67,12 +72,12 @@ class CostCurve:
         return found
 
     def to_json(self) -> str:
-        return json.dumps({"points": [list(p) for p in self.points]})
+        return json.dumps({"points": [list(p) for p in self.points], "mask_share": self.mask_share})
 
     @classmethod
     def from_json(cls, text: str) -> CostCurve:
         data = json.loads(text)
-        return cls(tuple((int(n), float(c)) for n, c in data["points"]))
+        return cls(tuple((int(n), float(c)) for n, c in data["points"]), float(data.get("mask_share", 1.0)))
 
     @classmethod
     def flat(cls) -> CostCurve:
@@ -80,29 +85,53 @@ class CostCurve:
         return cls(((1, 1.0), (64, 1.0)))
 
 
+MASK_SHARE_POINTS = (4, 8, 16)
+"""Pass sizes whose extra rows' cost gives :attr:`CostCurve.mask_share` (2-token passes differ by less than the
+noise)."""
+MIN_MASK_SHARE = 0.2
+
+
 def measure_cost_curve(
-    forward_n: Callable[[int], None], *, points: tuple[int, ...] = CURVE_POINTS, repeats: int = 5
+    forward_n: Callable[[int], None],
+    *,
+    points: tuple[int, ...] = CURVE_POINTS,
+    repeats: int = 5,
+    draft_masks_n: Callable[[int], None] | None = None,
 ) -> CostCurve:
-    """Time ``forward_n(n)`` (one forward of n tokens on a cached prefix) and normalise by n=1.
+    """Time ``forward_n(n)`` (one forward of n tokens on a cached prefix) and normalise by n=1; with
+    ``draft_masks_n`` (the same passes, their masks draft-only), also time it and set
+    :attr:`CostCurve.mask_share` from the extra rows' cost at :data:`MASK_SHARE_POINTS`.
 
     Robust to a busy machine: the sizes are timed in interleaved rounds and the fastest sample of each is kept
     (contention only ever adds time), and a pass of n tokens is never taken to cost more than n single passes.
     """
-    samples: dict[int, list[float]] = {n: [] for n in points}
-    for _ in range(2):
-        forward_n(1)  # warm-up
+    runs = {"exact": forward_n} if draft_masks_n is None else {"exact": forward_n, "draft": draft_masks_n}
+    samples: dict[str, dict[int, list[float]]] = {name: {n: [] for n in points} for name in runs}
+    for run in runs.values():
+        for _ in range(2):
+            run(1)  # warm-up
     for _ in range(repeats):
         for n in points:
-            start = time.perf_counter()
-            forward_n(n)
-            samples[n].append(time.perf_counter() - start)
-    base = min(samples[1])
+            for name, run in runs.items():
+                start = time.perf_counter()
+                run(n)
+                samples[name][n].append(time.perf_counter() - start)
+    exact = samples["exact"]
+    base = min(exact[1])
     monotone, best = [], 1.0
     for n in points:
-        cost = min(max(min(samples[n]) / base, 1.0), float(n))
+        cost = min(max(min(exact[n]) / base, 1.0), float(n))
         best = max(best, cost)  # cost can only grow with n
         monotone.append((n, best))
-    return CostCurve(tuple(monotone))
+    share = 1.0
+    if "draft" in samples:
+        sizes = [n for n in MASK_SHARE_POINTS if n in points]
+        added = sum(min(exact[n]) - base for n in sizes)
+        draft = samples["draft"]
+        if sizes and added > 0:
+            share = sum(min(draft[n]) - min(draft[1]) for n in sizes) / added
+        share = min(max(share, MIN_MASK_SHARE), 1.0)
+    return CostCurve(tuple(monotone), share)
 
 
 def load_or_measure(path: Path, measure: Callable[[], CostCurve]) -> CostCurve:

@@ -87,6 +87,8 @@ def decode(
     share_curve = getattr(runner, "share_curve", None)  # a runner whose passes are shared (engine/batching.py)
     if share_curve is not None and setup.planner.curve is not None:
         setup.planner.curve = share_curve(setup.planner.curve)
+    if hasattr(runner, "coarse_masks"):  # a fast runner: mask rows of a verified pass are only drafts
+        runner.coarse_masks = cfg.mode == "verified"
     generator = torch.Generator().manual_seed(cfg.seed) if cfg.seed is not None else None
     state = _State(pending=list(prompt_ids[cached:]), context=list(prompt_ids))
     if cfg.mode == "verified":

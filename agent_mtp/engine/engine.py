@@ -368,9 +368,10 @@ class MTPEngine:
 
     def measure_cost_curve(self) -> CostCurve:
         """Time decode-shaped passes of 1..32 tokens (one real token, then masks, every row's logits read) on a
-        cached 256-token prefix on this engine's runtime now, and return the curve (relative to one token).
-        :attr:`cost_curve` measures once per machine and caches it on disk; call this to measure afresh (then
-        :meth:`set_cost_curve`)."""
+        cached 256-token prefix on this engine's runtime now, and return the curve (relative to one token); where
+        the fast runtime's record paths (AMX, VNNI) serve the passes, the same passes with draft-only masks too
+        (:attr:`CostCurve.mask_share`). :attr:`cost_curve` measures once per machine and caches it on disk; call
+        this to measure afresh (then :meth:`set_cost_curve`)."""
         log.info("Measuring the forward cost curve of %s", self.model_id)
         high = min(1000, self.mask_token_id)
         length = max(min(COST_CURVE_PREFIX, self.context_window - max(CURVE_POINTS)), 1)  # small models fit too
@@ -383,7 +384,17 @@ class MTPEngine:
                 runner.forward([prefix[-1]] + [self.mask_token_id] * (n - 1), n)
                 runner.drop(n)
 
-            return measure_cost_curve(forward_n, repeats=COST_CURVE_ROUNDS)
+            draft_masks_n = None
+            if isinstance(runner, FastRunner) and blockq.records_active():  # verified's masks cost less there
+
+                def draft_masks_n(n: int) -> None:
+                    runner.coarse_masks = True
+                    try:
+                        forward_n(n)
+                    finally:
+                        runner.coarse_masks = False
+
+            return measure_cost_curve(forward_n, repeats=COST_CURVE_ROUNDS, draft_masks_n=draft_masks_n)
 
 
 def prefix_cache_mb_setting(value: float | None) -> float:

@@ -12,7 +12,9 @@
       cost  = 1 + cost_curve(pending + draft length + masks) - cost_curve(pending)
 
   (value / cost) over {no draft, each source's draft} x their prefixes x mask counts: the extra rows at what they
-  add to the pass, as a one-token pass carries them (a prefill's own cost does not make them cheap). A weak
+  add to the pass, as a one-token pass carries them (a prefill's own cost does not make them cheap), each mask at
+  the curve's ``mask_share`` of a draft row (a verified mask row is only a draft, computed on an 8-bit grid where
+  the fast runtime can). A weak
   adapter is used sparingly and a strong one fully, without any setting changing; output stays exact whatever is
   chosen. Where no option could beat the plain pass (:meth:`Planner.plain_if_hopeless`) the sources are not
   asked.
@@ -158,8 +160,9 @@ class Planner:
             return None
         # every option's rows: a draft (at most AUTO_K_CAP - 1 mask tokens, or a 10-token n-gram) plus masks
         costs = _marginal(self.curve.costs(pending, min(room, 2 * AUTO_K_CAP) + 1))
-        step = (costs[1] - costs[0]) * (1.0 - 1e-6)  # what every row adds at least (rounding of equal steps)
-        if p_max >= step or any(b - a < step for a, b in itertools.pairwise(costs)):
+        share = self._mask_share  # the cheapest row is a mask (draft-only masks cost this share of a row)
+        step = (costs[1] - costs[0]) * share * (1.0 - 1e-6)  # what every row adds at least (rounding of equal steps)
+        if p_max >= step or any((b - a) * share < step for a, b in itertools.pairwise(costs)):
             return None
         self._passes += 1
         return Plan(None, 0)
@@ -226,11 +229,12 @@ class Planner:
                 run *= p
                 expected += run
                 options.append((candidate, length, expected, run))
+        share = self._mask_share
         for option, length, expected, p_all in options:
             top_masks = max(min(most_masks, room - length), 0)
             ceiling = 1.0 + expected + p_all * gain[top_masks] * FUTURE_CREDIT
             for masks in range(top_masks + 1):
-                here = costs[length + masks]
+                here = costs[length] + share * (costs[length + masks] - costs[length])
                 if prune and ceiling / here <= best + 1e-12:
                     break
                 future = p_all * gain[masks] * FUTURE_CREDIT
@@ -252,9 +256,16 @@ class Planner:
         allowance = EXPLORE_OVERHEAD * self.explore_every * cost(1)
         most = max(min(self.k_cap - 1, room - length), 0)
         masks = 0
-        while masks < most and cost(fed + masks + 1) - cost(fed) <= allowance:
+        while masks < most and self._mask_share * (cost(fed + masks + 1) - cost(fed)) <= allowance:
             masks += 1
         return masks
+
+    @property
+    def _mask_share(self) -> float:
+        """What a mask row adds to a pass as a share of an exact row (:attr:`CostCurve.mask_share`): ``verified``'s
+        masks are only drafts, which the fast runtime's record paths compute on an 8-bit grid; other modes commit
+        mask tokens, computed exactly."""
+        return self.curve.mask_share if self.mode == "verified" and self.curve is not None else 1.0
 
 
 def needs_cost_curve(cfg: DecodeConfig) -> bool:

@@ -497,3 +497,44 @@ def test_auto_k_explores_within_the_allowance_of_a_one_token_pass() -> None:
         extra = curve.cost(fed + masks[3]) - curve.cost(fed)
         assert extra <= EXPLORE_OVERHEAD * 4 * curve.cost(1) + 1e-9
         assert (masks[3] == 0) == (curve is ZEN3)
+
+
+def test_cost_curve_measures_what_a_draft_only_mask_row_adds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fake clock: an exact extra row adds 1.0, a draft-only mask row 0.4 (the 8-bit grid); the curve keeps the
+    exact rows' costs and the masks' share of them, through JSON too."""
+    from agent_mtp.engine import cost
+
+    clock = {"now": 0.0}
+    monkeypatch.setattr(cost.time, "perf_counter", lambda: clock["now"])
+
+    def timed(per_row: float):
+        def run(n: int) -> None:
+            clock["now"] += 10.0 + per_row * (n - 1)
+
+        return run
+
+    curve = cost.measure_cost_curve(timed(1.0), points=(1, 2, 4, 8, 16), repeats=2, draft_masks_n=timed(0.4))
+    assert dict(curve.points)[8] == pytest.approx(1.7) and curve.mask_share == pytest.approx(0.4)
+    assert CostCurve.from_json(curve.to_json()) == curve
+    assert CostCurve.from_json('{"points": [[1, 1.0], [4, 2.0]]}').mask_share == 1.0  # a curve cached before
+    only_exact = cost.measure_cost_curve(timed(1.0), points=(1, 4), repeats=1)
+    assert only_exact.mask_share == 1.0
+    cheaper_than_nothing = cost.measure_cost_curve(timed(1.0), points=(1, 4), repeats=1, draft_masks_n=timed(-1.0))
+    assert cheaper_than_nothing.mask_share == cost.MIN_MASK_SHARE  # noise never makes masks free
+    with pytest.raises(ValueError, match="mask_share"):
+        CostCurve(((1, 1.0),), 0.0)
+
+
+def test_verified_planner_buys_more_masks_when_they_cost_less_and_other_modes_ignore_it() -> None:
+    rates = [0.45] * 7
+    full = verify_planner(STEEP, 8, rates).plan(1, [], budget=51).masks
+    cheap = verify_planner(CostCurve(STEEP.points, 0.3), 8, rates).plan(1, [], budget=51).masks
+    assert cheap > full
+    ngram = Draft((4, 5, 6), "ngram", 2.0)
+    with_draft = verify_planner(CostCurve(STEEP.points, 0.3), 8, rates, ngram=0.9).plan(1, [ngram], budget=51)
+    assert with_draft.draft is not None and len(with_draft.draft.tokens) == 3  # draft rows still at full price
+    confadapt = [
+        Planner("confadapt", 8, auto_k=True, curve=curve, rates=AcceptanceRates([0.45] * 7), explore_every=0)
+        for curve in (STEEP, CostCurve(STEEP.points, 0.3))
+    ]
+    assert confadapt[0].plan(1, [], budget=51) == confadapt[1].plan(1, [], budget=51)  # its masks are exact

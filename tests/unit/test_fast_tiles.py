@@ -131,7 +131,7 @@ def test_tile_layout_holds_each_features_inputs_in_b_tile_order() -> None:
 
 def test_record_switches_and_kernel_tag(path: str) -> None:
     tag = blockq.kernel_tag()
-    assert tag == "blockq7-amx" if path == "amx" else tag.startswith("blockq7") and tag.endswith("-vnni")
+    assert tag == "blockq8-amx" if path == "amx" else tag.startswith("blockq8") and tag.endswith("-vnni")
     with blockq.avx_kernels():
         assert not blockq.records_active() and not blockq.kernel_tag().endswith(("-amx", "-vnni"))
     assert blockq.records_active() and blockq.kernel_tag() == tag
@@ -215,7 +215,7 @@ def test_bench_curves_time_the_tiles_beside_the_avx_kernels(engine: MTPEngine) -
 
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 def test_amx_and_vnni_give_the_same_bits(kind: str, path: str) -> None:
-    """The two record paths sum the same exact integers and scale them with the same code."""
+    """The two record paths sum the same exact integers and scale them with the same code, draft-only rows too."""
     if path != "amx" or "vnni" not in _paths():
         pytest.skip("needs a CPU with both AMX-INT8 and AVX-512 VNNI")
     _, blocks = _blocks(kind, 72, 160)
@@ -224,3 +224,83 @@ def test_amx_and_vnni_give_the_same_bits(kind: str, path: str) -> None:
     with blockq.amx(False), blockq.vnni(True):
         assert blockq.vnni_active()
         assert torch.equal(blocks(x), on_tiles)
+    coarse_on_tiles = blocks(x, coarse=[1, 4, 9, 11])
+    with blockq.amx(False), blockq.vnni(True):
+        assert torch.equal(blocks(x, coarse=[1, 4, 9, 11]), coarse_on_tiles)
+
+
+def _coarse_bound(x: torch.Tensor, weight: torch.Tensor, kind: str) -> torch.Tensor:
+    """Error of a product whose input is on the 8-bit grid per block of 32 (a unit is the block's largest |x| / 127;
+    rounding stays within half of one), plus float32 rounding."""
+    rows, k = x.shape
+    unit = x.reshape(rows, k // 32, 32).abs().amax(-1).double() / 127 * 0.51  # [rows, blocks]
+    blocks = weight.double().reshape(weight.shape[0], k // 32, 32)
+    # what the grid's error multiplies: d * q (Q4_1's minimum term takes the exact input sum)
+    magnitude = blocks - blocks.amin(-1, keepdim=True) if kind == "q4_1" else blocks.abs()
+    return torch.einsum("rb,obi->ro", unit, magnitude) + _error_bound(x, weight)
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_coarse_rows_take_the_8_bit_grid_and_leave_every_other_row_alone(kind: str) -> None:
+    """Draft-only rows (verified's masks) on the 8-bit grid: one integer product per weight, within a grid unit of
+    the exact product, and no other row's bits change; a coarse row's numbers do not depend on the pass either."""
+    weight, blocks = _blocks(kind, 72, 160)
+    x = torch.randn(11, 160, generator=torch.Generator().manual_seed(5))
+    x[9, :32] = 0.0  # a zero block
+    runs = [2, 5, 7, 10]  # rows 2-4 and 7-9
+    coarse_rows = [2, 3, 4, 7, 8, 9]
+    exact, coarse = blocks(x), blocks(x, coarse=runs)
+    fine_rows = [r for r in range(11) if r not in coarse_rows]
+    assert torch.equal(coarse[fine_rows], exact[fine_rows])
+    truth = x.double() @ weight.double().T
+    error = (coarse[coarse_rows].double() - truth[coarse_rows]).abs()
+    assert (error <= _coarse_bound(x[coarse_rows], weight, kind)).all()
+    assert (error > _error_bound(x[coarse_rows], weight)).any()  # not the exact grid
+    for r in coarse_rows:
+        assert torch.equal(blocks(x[r : r + 1], coarse=[0, 1])[0], coarse[r]), r
+    residual = torch.randn(11, 72)
+    if kind == "q4_1":
+        expected = residual + coarse
+        blocks.add_into(residual, x, coarse=runs)
+        torch.testing.assert_close(residual, expected, atol=1e-5, rtol=1e-6)
+    with pytest.raises(RuntimeError, match="outside"):
+        blocks(x, coarse=[3, 12])
+
+
+def test_draft_only_masks_change_only_the_mask_rows_of_a_pass(
+    monkeypatch: pytest.MonkeyPatch, engine: MTPEngine
+) -> None:
+    """A whole pass with draft-only masks (fused layers, the adapter's delta, the head): the real rows' logits and
+    every cached key and value of a real row are the exact pass's bits; the mask rows' logits stay close. Beside a
+    sequence whose masks are exact, each gets what it gets alone."""
+    monkeypatch.setenv(blockq.ROWS_ENV, "64")  # every pass on the records (a small model's crossover is low)
+    fast = FastModel.from_hf(engine.model, mask_token_id=engine.mask_token_id)
+    mask = engine.mask_token_id
+    ids = _random_ids(20, seed=4)
+    exact_cache, coarse_cache = fast.new_cache(), fast.new_cache()
+    fast.forward(ids, exact_cache, 1)
+    fast.forward(ids, coarse_cache, 1)
+    tokens = [5, 9, mask, mask, mask]
+    exact = fast.forward(tokens, exact_cache, 5)
+    coarse = fast.forward(tokens, coarse_cache, 5, coarse_masks=True)
+    assert torch.equal(coarse[:2], exact[:2])
+    assert not torch.equal(coarse[2:], exact[2:])
+    scale = exact[2:].abs().amax(-1, keepdim=True)
+    assert ((coarse[2:] - exact[2:]).abs() <= 0.15 * scale).all()  # random weights: errors grow by layer
+    real = len(ids) + 2
+    for a, b in zip(exact_cache.layers, coarse_cache.layers, strict=True):
+        assert torch.equal(a[:, :, :real], b[:, :, :real])
+    exact_cache.truncate(real)
+    coarse_cache.truncate(real)
+    assert torch.equal(fast.forward([7], coarse_cache, 1), fast.forward([7], exact_cache, 1))
+    from agent_mtp.engine.fast import BatchItem
+
+    alone = [fast.new_cache() for _ in range(2)]
+    beside = [fast.new_cache() for _ in range(2)]
+    for cache in alone + beside:
+        fast.forward(ids, cache, 1)
+    passes = [([3, mask, mask], True), ([8, 2, mask], False)]
+    singles = [fast.forward(t, c, len(t), coarse_masks=flag) for (t, flag), c in zip(passes, alone, strict=True)]
+    batch = fast.forward_batch([BatchItem(t, c, len(t), flag) for (t, flag), c in zip(passes, beside, strict=True)])
+    for single, batched in zip(singles, batch, strict=True):
+        assert torch.equal(single, batched)

@@ -33,7 +33,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -262,9 +262,9 @@ def kernel_tag() -> str:
     if not (enabled() and kernels_available()):
         return "fp32"
     if tiles_active():
-        return "blockq7-amx"
-    forms = avx512_forms()  # 7: Q8_0 lanes from 2 rows, row kernels prefetch (6: 4-row AVX-512 tiles)
-    tag = {Wide.NONE: "blockq7", Wide.ALL: "blockq7-avx512"}.get(forms, f"blockq7-avx512{(forms.name or '').lower()}")
+        return "blockq8-amx"
+    forms = avx512_forms()  # 8: draft-only masks on the 8-bit grid (7: Q8_0 lanes from 2 rows, row kernels prefetch)
+    tag = {Wide.NONE: "blockq8", Wide.ALL: "blockq8-avx512"}.get(forms, f"blockq8-avx512{(forms.name or '').lower()}")
     return f"{tag}-vnni" if vnni_active() else tag
 
 
@@ -462,23 +462,44 @@ class BlockWeights:
         """Whether :meth:`add_into` can add into a residual in place (no padding, no float32 exception rows)."""
         return int(self.qs.shape[0]) == self.out_features and self.exception_rows is None
 
-    def add_into(self, residual: torch.Tensor, x: torch.Tensor, extra: torch.Tensor | None = None) -> torch.Tensor:
+    def add_into(
+        self, residual: torch.Tensor, x: torch.Tensor, extra: torch.Tensor | None = None, coarse: Sequence[int] = ()
+    ) -> torch.Tensor:
         """``residual += x W^T`` in place, in the kernel (one op instead of a product and an add); returns the
-        ``extra`` rows' products [n, r] ([n, 0] without). Needs :attr:`accumulates`."""
+        ``extra`` rows' products [n, r] ([n, 0] without). Needs :attr:`accumulates`. ``coarse``: see
+        :meth:`__call__`."""
         x = x.contiguous()
+        runs = list(coarse)
         if self.kind == "q4_1":
             assert self.minimum is not None
             return torch.ops.agent_mtp_blockq.q4_1_linear(  # type: ignore[no-any-return]
-                x, self.qs, self.scale, self.minimum, extra, residual, lanes=self.lanes, tiles=self.tiles
+                x,
+                self.qs,
+                self.scale,
+                self.minimum,
+                extra,
+                residual,
+                lanes=self.lanes,
+                tiles=self.tiles,
+                coarse_runs=runs,
             )
         return torch.ops.agent_mtp_blockq.q8_0_linear(  # type: ignore[no-any-return]
-            x, self.qs, self.scale, extra, residual, lanes=self.lanes, tiles=self.tiles
+            x, self.qs, self.scale, extra, residual, lanes=self.lanes, tiles=self.tiles, coarse_runs=runs
         )
 
-    def __call__(self, x: torch.Tensor, extra: torch.Tensor | None = None, norm: Norm | None = None) -> torch.Tensor:
+    def __call__(
+        self,
+        x: torch.Tensor,
+        extra: torch.Tensor | None = None,
+        norm: Norm | None = None,
+        coarse: Sequence[int] = (),
+    ) -> torch.Tensor:
         """x [n, in] float32 -> [n, out + r] float32, where ``extra`` [r, in] are float32 rows computed in the same
         call after the block rows (an adapter's low-rank factor rides along at no extra op); with ``norm`` (weight,
-        eps) the rows multiplied are ``rms_norm(x) * weight``, normalised in the same call."""
+        eps) the rows multiplied are ``rms_norm(x) * weight``, normalised in the same call. ``coarse``: rows (as
+        flattened [start, stop) runs) whose inputs the record paths (AMX, VNNI) put on an 8-bit grid per block
+        instead of the 24-bit one (one integer product per weight instead of three; ~1e-2 of the largest output
+        off): rows whose products are only drafts (mask rows in ``verified``). Ignored by the AVX kernels."""
         x = x.contiguous()
         weight, eps = norm if norm is not None else (None, 1e-5)
         # The float32 exception rows ride with the extra rows, computed in the kernel one fixed chain per row (an
@@ -490,11 +511,11 @@ class BlockWeights:
         if self.kind == "q4_1":
             assert self.minimum is not None
             y = torch.ops.agent_mtp_blockq.q4_1_linear(
-                x, self.qs, self.scale, self.minimum, extra, None, weight, eps, self.lanes, self.tiles
+                x, self.qs, self.scale, self.minimum, extra, None, weight, eps, self.lanes, self.tiles, list(coarse)
             )
         else:
             y = torch.ops.agent_mtp_blockq.q8_0_linear(
-                x, self.qs, self.scale, extra, None, weight, eps, self.lanes, self.tiles
+                x, self.qs, self.scale, extra, None, weight, eps, self.lanes, self.tiles, list(coarse)
             )
         padded = int(self.qs.shape[0])
         if padded == self.out_features and count == 0:

@@ -51,6 +51,10 @@ class BatchItem:
     tokens: Sequence[int]
     cache: KVCache
     keep: int
+    coarse_masks: bool = False
+    """Whether this sequence's mask rows are only drafts (``verified``: real rows check every one), so that block
+    passes on the record paths may compute them on an 8-bit input grid (one integer product per weight instead of
+    three). Exact mask rows (ConfAdapt, static: their tokens are committed) otherwise."""
 
 
 @dataclass(frozen=True)
@@ -304,9 +308,10 @@ class FastModel:
 
     # -- the forward -----------------------------------------------------------------------------------------
     @torch.no_grad()
-    def forward(self, tokens: Sequence[int], cache: KVCache, keep: int) -> torch.Tensor:
-        """Append ``tokens`` at ``cache.length``; return fp32 logits of the last ``keep`` of them [keep, V]."""
-        return self.forward_batch([BatchItem(tokens, cache, keep)])[0]
+    def forward(self, tokens: Sequence[int], cache: KVCache, keep: int, *, coarse_masks: bool = False) -> torch.Tensor:
+        """Append ``tokens`` at ``cache.length``; return fp32 logits of the last ``keep`` of them [keep, V].
+        ``coarse_masks``: see :attr:`BatchItem.coarse_masks`."""
+        return self.forward_batch([BatchItem(tokens, cache, keep, coarse_masks)])[0]
 
     @torch.no_grad()
     def forward_batch(self, items: Sequence[BatchItem]) -> list[torch.Tensor]:
@@ -319,21 +324,23 @@ class FastModel:
         tokens = [t for item in items for t in item.tokens]
         x = F.embedding(torch.tensor(tokens, dtype=torch.long), self.embed).float()  # [N, H]
         rows = _mask_runs(tokens, self.mask_token_id)
+        coarse = _coarse_runs(rows, segments, items)
         if self.mask_embedding is not None:
             for run in rows:
                 x[run] = self.mask_embedding
         rope = segments[0].rope if len(segments) == 1 else torch.cat([seg.rope for seg in segments])  # [N, 1, d/2]
         if by_kernel and self._fused is not None and len(tokens) <= self.block_rows:
-            self._fused_layers(x, segments, rope, rows)
+            self._fused_layers(x, segments, rope, rows, coarse)
         else:
             for i, layer in enumerate(self.layers):
-                self._layer(layer, i, x, segments, rope, rows, by_kernel)
+                self._layer(layer, i, x, segments, rope, rows, coarse, by_kernel)
         for item in items:
             item.cache.length += len(item.tokens)
         kept = [x[seg.row_end - item.keep : seg.row_end] for seg, item in zip(segments, items, strict=True)]
         h = kept[0] if len(kept) == 1 else torch.cat(kept)
         # the final norm inside the head's call (one op less; the kernels normalise as the layers' norms do)
-        logits = self.lm_head(h, norm=(self.final_norm, self.eps))  # [sum keep, V]
+        head_coarse = flat_runs(_kept_runs(coarse, segments, items)) if coarse else []
+        logits = self.lm_head(h, norm=(self.final_norm, self.eps), coarse=head_coarse)  # [sum keep, V]
         return list(logits.split([item.keep for item in items])) if len(items) > 1 else [logits]
 
     def greedy_tokens(self, logits: torch.Tensor) -> list[int]:
@@ -377,10 +384,11 @@ class FastModel:
         segments: list[_Segment],
         rope: torch.Tensor,
         rows: MaskRuns,
+        coarse: MaskRuns,
         by_kernel: bool,
     ) -> None:
         n = x.shape[0]
-        qkv = layer.qkv(x, rows, norm=(layer.input_norm, self.eps))  # [N, q + 2 kv] of rms_norm(x)
+        qkv = layer.qkv(x, rows, norm=(layer.input_norm, self.eps), coarse=coarse)  # [N, q + 2 kv] of rms_norm(x)
         if layer.q_norm is not None and layer.k_norm is not None:
             self._qk_norm(qkv, layer.q_norm, layer.k_norm)
         if by_kernel:  # RoPE, cache writes and attention of every segment: one C++ call
@@ -400,13 +408,15 @@ class FastModel:
             torch.view_as_complex(qk).mul_(rope)
             parts = [self._attend_segment(qkv, seg, index) for seg in segments]
             attended = parts[0] if len(parts) == 1 else torch.cat(parts)  # [N, q]
-        layer.o.add_into(x, attended, rows)
-        gate_up = layer.gate_up(x, rows, norm=(layer.post_norm, self.eps))  # [N, 2 I] of rms_norm(x)
+        layer.o.add_into(x, attended, rows, coarse)
+        gate_up = layer.gate_up(x, rows, norm=(layer.post_norm, self.eps), coarse=coarse)  # [N, 2 I] of rms_norm(x)
         act = F.silu(gate_up[:, : layer.inter])
         act.mul_(gate_up[:, layer.inter :])
-        layer.down.add_into(x, act, rows)
+        layer.down.add_into(x, act, rows, coarse)
 
-    def _fused_layers(self, x: torch.Tensor, segments: Sequence[_Segment], rope: torch.Tensor, rows: MaskRuns) -> None:
+    def _fused_layers(
+        self, x: torch.Tensor, segments: Sequence[_Segment], rope: torch.Tensor, rows: MaskRuns, coarse: MaskRuns
+    ) -> None:
         """All layers of a short block pass (one sequence or a batch) in one C++ call (the same ops as
         :meth:`_layer`)."""
         assert self._fused is not None
@@ -424,6 +434,7 @@ class FastModel:
             self.layers[0].inter,
             self.eps,
             self.scale,
+            flat_runs(coarse),
         )
 
     def _attend_segment(self, qkv: torch.Tensor, seg: _Segment, index: int) -> torch.Tensor:
@@ -504,6 +515,34 @@ def _fused_weights(layers: Sequence[_Layer]) -> list[torch.Tensor] | None:
             tiles = proj.linear.blocks.tiles if proj.linear.blocks is not None else None
             fused.append(tiles if tiles is not None else none)
     return fused
+
+
+def _coarse_runs(rows: MaskRuns, segments: Sequence[_Segment], items: Sequence[BatchItem]) -> list[slice]:
+    """The mask runs of the sequences whose mask rows are only drafts (:attr:`BatchItem.coarse_masks`)."""
+    if not rows or not any(item.coarse_masks for item in items):
+        return []
+    out: list[slice] = []
+    for seg, item in zip(segments, items, strict=True):
+        if item.coarse_masks:
+            for run in rows:
+                start, stop = max(run.start, seg.row_start), min(run.stop, seg.row_end)
+                if start < stop:
+                    out.append(slice(start, stop))
+    return out
+
+
+def _kept_runs(runs: MaskRuns, segments: Sequence[_Segment], items: Sequence[BatchItem]) -> list[slice]:
+    """``runs`` (rows of the pass) as rows of the head's input: each sequence's last ``keep`` rows, in order."""
+    out: list[slice] = []
+    offset = 0
+    for seg, item in zip(segments, items, strict=True):
+        first = seg.row_end - item.keep
+        for run in runs:
+            start, stop = max(run.start, first), min(run.stop, seg.row_end)
+            if start < stop:
+                out.append(slice(offset + start - first, offset + stop - first))
+        offset += item.keep
+    return out
 
 
 def _mask_runs(tokens: Sequence[int], mask_token_id: int | None) -> list[slice]:

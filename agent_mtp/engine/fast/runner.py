@@ -19,6 +19,9 @@ class FastRunner:
         self.cache = cache if cache is not None else model.new_cache()
         self.tokens: list[int] = []
         """The token ids whose keys and values the cache holds, in order."""
+        self.coarse_masks = False
+        """Whether this sequence's mask rows are only drafts (set by the decode loop for ``verified``): see
+        :attr:`agent_mtp.engine.fast.model.BatchItem.coarse_masks`."""
         self.greedy: list[int] | None = None
         """Each kept row's argmax (mask token left out) of the last forward, computed with it on the compute thread
         (:meth:`FastModel.greedy_tokens`): the decode loop takes greedy tokens from here instead of reading the
@@ -34,7 +37,7 @@ class FastRunner:
         return logits
 
     def _forward(self, tokens: list[int], keep: int) -> tuple[torch.Tensor, list[int]]:
-        logits = self.model.forward(tokens, self.cache, keep)
+        logits = self.model.forward(tokens, self.cache, keep, coarse_masks=self.coarse_masks)
         return logits, self.model.greedy_tokens(logits)
 
     def drop(self, num_tokens: int) -> None:

@@ -103,12 +103,12 @@ class PackedLinear:
         """Bytes of the float32 (or bfloat16) weights a float32 GEMM pass reads."""
         return self.out_features * self.in_features * self.weight.element_size()
 
-    def add_into(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
+    def add_into(self, residual: torch.Tensor, x: torch.Tensor, coarse: Sequence[int] = ()) -> torch.Tensor | None:
         """``residual[:, :out] += x W^T + b`` in place (fused into the kernel on block passes); returns the
-        ``extra_rows``' products [n, r] (None without extra rows)."""
+        ``extra_rows``' products [n, r] (None without extra rows). ``coarse``: as for :meth:`__call__`."""
         blocks = self.blocks
         if blocks is not None and blocks.accumulates and self.reads_blocks(x.shape[0]):
-            extra = blocks.add_into(residual, x, self.extra_rows)
+            extra = blocks.add_into(residual, x, self.extra_rows, coarse)
             if self.bias is not None:
                 residual.add_(self.bias[: blocks.out_features])
             return extra if self.extra_rows is not None else None
@@ -117,17 +117,21 @@ class PackedLinear:
         residual.add_(y[:, :width])
         return y[:, width:] if self.extra_rows is not None else None
 
-    def __call__(self, x: torch.Tensor, norm: blockq.Norm | None = None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, norm: blockq.Norm | None = None, coarse: Sequence[int] = ()) -> torch.Tensor:
         """x [n, in] (float32) -> [n, out] (float32); with ``norm`` (weight, eps) the input is ``rms_norm(x) *
-        weight`` (normalised inside the kernel on block passes)."""
+        weight`` (normalised inside the kernel on block passes). ``coarse``: rows (flattened [start, stop) runs)
+        that block passes on the record paths may compute on an 8-bit input grid (:meth:`BlockWeights.__call__`);
+        the float32 GEMM computes them exactly."""
         if self.reads_blocks(x.shape[0]):
-            return self.blocks_product(x, norm)
+            return self.blocks_product(x, norm, coarse)
         return self.dense_product(x, norm)
 
-    def blocks_product(self, x: torch.Tensor, norm: blockq.Norm | None = None) -> torch.Tensor:
+    def blocks_product(
+        self, x: torch.Tensor, norm: blockq.Norm | None = None, coarse: Sequence[int] = ()
+    ) -> torch.Tensor:
         """:meth:`__call__` on the quantization blocks, whatever the number of rows."""
         assert self.blocks is not None
-        y = self.blocks(x, self.extra_rows, norm)
+        y = self.blocks(x, self.extra_rows, norm, coarse)
         return y.add_(self.bias) if self.bias is not None else y
 
     def dense_product(self, x: torch.Tensor, norm: blockq.Norm | None = None) -> torch.Tensor:
@@ -331,20 +335,23 @@ class Projection:
             self.b_t = b_t.contiguous()
         self.linear = PackedLinear(weight, bias, prepack=prepack, blocks=blocks, extra_rows=self.a)
 
-    def __call__(self, x: torch.Tensor, rows: MaskRuns, norm: blockq.Norm | None = None) -> torch.Tensor:
+    def __call__(
+        self, x: torch.Tensor, rows: MaskRuns, norm: blockq.Norm | None = None, coarse: MaskRuns = ()
+    ) -> torch.Tensor:
         """x [n, in] -> [n, out]; ``rows``: the mask rows as runs of consecutive rows (or empty); ``norm``: an RMS
-        norm (weight, eps) applied to x first."""
-        y = self.linear(x, norm)
+        norm (weight, eps) applied to x first; ``coarse``: the mask rows whose products are only drafts (computed
+        on an 8-bit input grid where the record paths serve the pass)."""
+        y = self.linear(x, norm, flat_runs(coarse))
         if self.b_t is None:
             return y
         out = self.out_features
         _add_low_rank(y[:, :out], y[:, out:], self.b_t, rows)
         return y[:, :out]
 
-    def add_into(self, residual: torch.Tensor, x: torch.Tensor, rows: MaskRuns) -> None:
-        """``residual += self(x, rows)`` in place: the GEMM adds into the residual (in the kernel on block passes),
-        then the adapter's delta is added at the mask rows."""
-        low = self.linear.add_into(residual, x)
+    def add_into(self, residual: torch.Tensor, x: torch.Tensor, rows: MaskRuns, coarse: MaskRuns = ()) -> None:
+        """``residual += self(x, rows, coarse=coarse)`` in place: the GEMM adds into the residual (in the kernel on
+        block passes), then the adapter's delta is added at the mask rows."""
+        low = self.linear.add_into(residual, x, flat_runs(coarse))
         if self.b_t is None or low is None:
             return
         _add_low_rank(residual, low, self.b_t, rows)

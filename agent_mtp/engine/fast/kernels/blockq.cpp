@@ -529,14 +529,18 @@ struct Grid {
   std::vector<int8_t> a0;
   std::vector<uint8_t> a12;
   std::vector<float> step, sum;  // [rows][blocks]
+  std::vector<uint8_t> coarse;  // [rows]: 1 where a row is on an 8-bit grid only (a0 = x * 127 / peak, a1 = a2 = 0)
+  bool coarse_row(int64_t r) const { return !coarse.empty() && coarse[static_cast<size_t>(r)] != 0; }
 };
 
 // sum of 32 floats as ((v0 + v1) lane sums, reduced in a fixed order).
 inline float block_sum(__m512 v0, __m512 v1) { return _mm512_reduce_add_ps(_mm512_add_ps(v0, v1)); }
 
-Grid on_grid(const float* x, int64_t rows, int64_t k) {
+Grid on_grid(const float* x, int64_t rows, int64_t k, const uint8_t* coarse = nullptr) {
   const int64_t blocks = k / kBlock;
   Grid g;
+  if (coarse != nullptr && std::any_of(coarse, coarse + rows, [](uint8_t c) { return c != 0; }))
+    g.coarse.assign(coarse, coarse + rows);
   g.a0.resize(static_cast<size_t>(blocks * rows * kBlock));
   g.a12.resize(static_cast<size_t>(blocks * rows * 2 * kBlock));
   g.step.resize(static_cast<size_t>(rows * blocks));
@@ -554,11 +558,25 @@ Grid on_grid(const float* x, int64_t rows, int64_t k) {
       g.sum[r * blocks + b] = block_sum(v0, v1);
       int e = 0;
       const bool usable = std::isfinite(peak) && peak > 0.0f;
+      int8_t* a0 = g.a0.data() + (b * rows + r) * kBlock;
+      uint8_t* a12 = g.a12.data() + (b * rows + r) * 2 * kBlock;
+      if (g.coarse_row(r)) {
+        // 8 bits: x * 127 / peak rounded to nearest (the block's largest |x| at +-127, as llama.cpp's Q8_0
+        // activations), a1 = a2 = 0; the step scales a0's sums as the 24-bit grid's top byte (x 65536) would.
+        const __m512 inv = _mm512_set1_ps(usable ? 127.0f / peak : 0.0f);
+        g.step[r * blocks + b] = usable ? peak / (127.0f * 65536.0f) : 0.0f;
+        const __m512i most = _mm512_set1_epi32(127), least = _mm512_set1_epi32(-127);
+        for (int h = 0; h < 2; ++h) {
+          __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(h == 0 ? v0 : v1, inv));
+          q = _mm512_max_epi32(_mm512_min_epi32(q, most), least);
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(a0 + 16 * h), _mm512_cvtepi32_epi8(q));
+        }
+        std::memset(a12, 0, 2 * kBlock);
+        continue;
+      }
       if (usable) std::frexp(peak, &e);  // peak < 2^e
       g.step[r * blocks + b] = usable ? std::ldexp(1.0f, e - 23) : 0.0f;
       const __m512 shift = _mm512_set1_ps(static_cast<float>(23 - e));
-      int8_t* a0 = g.a0.data() + (b * rows + r) * kBlock;
-      uint8_t* a12 = g.a12.data() + (b * rows + r) * 2 * kBlock;
       for (int h = 0; h < 2; ++h) {
         __m512i q = _mm512_setzero_si512();
         if (usable) {
@@ -781,6 +799,20 @@ inline void stream_product(const tiles::Grid& g, int64_t rows, int64_t r0, int64
       const uint8_t* a1 = g.a12.data() + (b * rows + r0 + i) * 2 * kBlock;
       const uint8_t* a2 = a1 + kBlock;
       __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512(), s2 = _mm512_setzero_si512();
+      if (g.coarse_row(r0 + i)) {  // a row on the 8-bit grid: its a1 and a2 are zero, one product per register
+#pragma GCC unroll 8
+        for (int t = 0; t < 8; ++t) {
+          if constexpr (kQ4)
+            s0 = _mm512_dpbusd_epi32(s0, w[t], broadcast4(a0 + 4 * t));
+          else
+            s0 = _mm512_dpbusd_epi32(s0, _mm512_xor_si512(broadcast4(a0 + 4 * t), flip), w[t]);
+        }
+        if constexpr (!kQ4) s0 = _mm512_sub_epi32(s0, _mm512_slli_epi32(qsum, 7));
+        _mm512_store_si512(c0 + 16 * i, s0);
+        _mm512_store_si512(c12 + 32 * i, s1);
+        _mm512_store_si512(c12 + 32 * i + 16, s2);
+        continue;
+      }
 #pragma GCC unroll 8
       for (int t = 0; t < 8; ++t) {
         if constexpr (kQ4)
@@ -927,7 +959,7 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& qs, const at::T
                           const float* minimum, int64_t bytes_per_block, const std::optional<at::Tensor>& dense,
                           const std::optional<at::Tensor>& residual, const std::optional<at::Tensor>& norm,
                           double eps, const std::optional<at::Tensor>& lanes = std::nullopt,
-                          const std::optional<at::Tensor>& tiles = std::nullopt) {
+                          const std::optional<at::Tensor>& tiles = std::nullopt, const uint8_t* coarse = nullptr) {
   const int64_t rows = x.size(0), k = x.size(1), blocks = k / kBlock;
   // With a norm weight, the rows multiplied are rms_norm(x) * norm (one call instead of a norm op and a product).
   const at::Tensor input = norm.has_value() ? rms_normed(x, *norm, eps) : x;
@@ -974,7 +1006,7 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& qs, const at::T
     TORCH_CHECK(tiles->scalar_type() == at::kByte && tiles->is_contiguous() &&
                     tiles->numel() == records * blocks * record,
                 "tiles must be a contiguous uint8 [ceil(out / 16), in / 32 * ", record, "] tensor");
-    const tiles::Grid grid = tiles::on_grid(xp, rows, k);
+    const tiles::Grid grid = tiles::on_grid(xp, rows, k, coarse);
     const uint8_t* tp = tiles->data_ptr<uint8_t>();
     const int64_t pairs = (records + 1) / 2;  // a task multiplies two record streams (32 features)
     const int64_t dense_tasks = (extra + kGroup - 1) / kGroup, early = dense_tasks / 2;
@@ -1071,25 +1103,42 @@ struct Q80 {
   }
 };
 
+// Per-row flags from flattened [start, stop) runs: 1 for the rows that go on the 8-bit grid (empty: none).
+std::vector<uint8_t> coarse_flags(at::IntArrayRef runs, int64_t rows) {
+  std::vector<uint8_t> flags;
+  if (runs.empty()) return flags;
+  TORCH_CHECK(runs.size() % 2 == 0, "coarse_runs must be [start, stop) pairs");
+  flags.assign(static_cast<size_t>(rows), 0);
+  for (size_t i = 0; i + 1 < runs.size(); i += 2) {
+    TORCH_CHECK(0 <= runs[i] && runs[i] <= runs[i + 1] && runs[i + 1] <= rows, "coarse run [", runs[i], ", ",
+                runs[i + 1], ") is outside the ", rows, " rows");
+    std::fill(flags.begin() + runs[i], flags.begin() + runs[i + 1], uint8_t{1});
+  }
+  return flags;
+}
+
 at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale, const at::Tensor& minimum,
                        const std::optional<at::Tensor>& extra, const std::optional<at::Tensor>& residual,
                        const std::optional<at::Tensor>& norm, double eps, const std::optional<at::Tensor>& lanes,
-                       const std::optional<at::Tensor>& tiles) {
+                       const std::optional<at::Tensor>& tiles, at::IntArrayRef coarse_runs) {
   check_inputs(x, qs, scale, 16);
+  const std::vector<uint8_t> coarse = coarse_flags(coarse_runs, x.size(0));
   TORCH_CHECK(minimum.scalar_type() == at::kFloat && minimum.is_contiguous() && minimum.numel() == scale.numel(),
               "minimum must be a contiguous float32 tensor shaped like scale");
   TORCH_CHECK(qs.size(0) % kGroup == 0, "out_features must be a multiple of 8, got ", qs.size(0));
   return grouped_linear<Q41, Q41Lanes>(x, qs, scale, minimum.data_ptr<float>(), 16, extra, residual, norm, eps,
-                                      lanes, tiles);
+                                      lanes, tiles, coarse.empty() ? nullptr : coarse.data());
 }
 
 at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale,
                        const std::optional<at::Tensor>& extra, const std::optional<at::Tensor>& residual,
                        const std::optional<at::Tensor>& norm, double eps, const std::optional<at::Tensor>& lanes,
-                       const std::optional<at::Tensor>& tiles) {
+                       const std::optional<at::Tensor>& tiles, at::IntArrayRef coarse_runs) {
   check_inputs(x, qs, scale, 32);
+  const std::vector<uint8_t> coarse = coarse_flags(coarse_runs, x.size(0));
   TORCH_CHECK(qs.size(0) % kGroup == 0, "out_features must be a multiple of 8, got ", qs.size(0));
-  return grouped_linear<Q80, Q80Lanes>(x, qs, scale, nullptr, 32, extra, residual, norm, eps, lanes, tiles);
+  return grouped_linear<Q80, Q80Lanes>(x, qs, scale, nullptr, 32, extra, residual, norm, eps, lanes, tiles,
+                                      coarse.empty() ? nullptr : coarse.data());
 }
 
 
@@ -1592,7 +1641,8 @@ void add_delta(at::Tensor& x, const at::Tensor& low, const at::Tensor& b_t, at::
 // rows as flattened [start, stop) pairs.
 void decode_layers(at::Tensor x, const c10::intrusive_ptr<LayerStack>& stack, at::TensorList caches,
                    const at::Tensor& rope, at::IntArrayRef starts, at::IntArrayRef rows, at::IntArrayRef mask_runs,
-                   int64_t num_heads, int64_t kv_heads, int64_t head_dim, int64_t inter, double eps, double scale) {
+                   int64_t num_heads, int64_t kv_heads, int64_t head_dim, int64_t inter, double eps, double scale,
+                   at::IntArrayRef coarse_runs) {
   const int64_t layers = stack->layers();
   const int64_t sequences = static_cast<int64_t>(starts.size());
   TORCH_CHECK(static_cast<int64_t>(caches.size()) == layers * sequences && sequences > 0,
@@ -1607,28 +1657,33 @@ void decode_layers(at::Tensor x, const c10::intrusive_ptr<LayerStack>& stack, at
   // delta is added (a one-token pass reads ~160 KB less float32 per adapted layer).
   const bool masked = !mask_runs.empty();
   const std::optional<at::Tensor> none;
+  // Rows on the 8-bit grid (record paths): mask rows whose products are drafts only, never a real row's input.
+  const std::vector<uint8_t> coarse_rows = coarse_flags(coarse_runs, x.size(0));
+  const uint8_t* coarse = coarse_rows.empty() ? nullptr : coarse_rows.data();
   for (int64_t layer = 0; layer < layers; ++layer) {
     // per projection: qs, scale, minimum, extra rows (adapter A), adapter B^T, lanes; norms at 0 and 13; tiles at
     // 26-29
     const at::Tensor* w = stack->weights.data() + layer * kPerLayer;
     const std::optional<at::Tensor>* o = stack->optional.data() + layer * kPerLayer;
     const at::Tensor y = grouped_linear<Q41, Q41Lanes>(x, w[1], w[2], w[3].data_ptr<float>(), 16,
-                                                       masked ? o[4] : none, std::nullopt, o[0], eps, o[6], o[26]);
+                                                       masked ? o[4] : none, std::nullopt, o[0], eps, o[6], o[26],
+                                                       coarse);
     const at::Tensor qkv = with_delta(y, qkv_out, w[5], mask_runs);
     const at::Tensor attended = attend_pairs(qkv, pairs, caches.slice(layer * sequences, sequences), starts, rows,
                                              num_heads, kv_heads, head_dim, scale);
     const at::Tensor low_o = grouped_linear<Q41, Q41Lanes>(attended.contiguous(), w[7], w[8], w[9].data_ptr<float>(),
                                                            16, masked ? o[10] : none, x, std::nullopt, eps, o[12],
-                                                           o[27]);
+                                                           o[27], coarse);
     add_delta(x, low_o, w[11], mask_runs);
     const at::Tensor gu_all = grouped_linear<Q41, Q41Lanes>(x, w[14], w[15], w[16].data_ptr<float>(), 16,
                                                             masked ? o[17] : none, std::nullopt, o[13], eps, o[19],
-                                                            o[28]);
+                                                            o[28], coarse);
     const at::Tensor gate_up = with_delta(gu_all, 2 * inter, w[18], mask_runs);
     at::Tensor act = at::silu(gate_up.slice(1, 0, inter));
     act.mul_(gate_up.slice(1, inter, 2 * inter));
     const at::Tensor low_d = grouped_linear<Q41, Q41Lanes>(act, w[20], w[21], w[22].data_ptr<float>(), 16,
-                                                           masked ? o[23] : none, x, std::nullopt, eps, o[25], o[29]);
+                                                           masked ? o[23] : none, x, std::nullopt, eps, o[25], o[29],
+                                                           coarse);
     add_delta(x, low_d, w[24], mask_runs);
   }
 }
@@ -1641,10 +1696,10 @@ TORCH_LIBRARY(agent_mtp_blockq, m) {
   // quants in the lane kernels' layout, which passes of kLaneRows rows or more (per kind) then read.
   m.def(
       "q4_1_linear(Tensor x, Tensor qs, Tensor scale, Tensor minimum, Tensor? extra=None, Tensor(a!)? residual=None, "
-      "Tensor? norm=None, float eps=1e-5, Tensor? lanes=None, Tensor? tiles=None) -> Tensor");
+      "Tensor? norm=None, float eps=1e-5, Tensor? lanes=None, Tensor? tiles=None, int[] coarse_runs=[]) -> Tensor");
   m.def(
       "q8_0_linear(Tensor x, Tensor qs, Tensor scale, Tensor? extra=None, Tensor(a!)? residual=None, "
-      "Tensor? norm=None, float eps=1e-5, Tensor? lanes=None, Tensor? tiles=None) -> Tensor");
+      "Tensor? norm=None, float eps=1e-5, Tensor? lanes=None, Tensor? tiles=None, int[] coarse_runs=[]) -> Tensor");
   // target[r] += low[r] b_t at the rows of runs (flattened [start, stop) pairs): an adapter's delta at the mask rows
   // which kernel classes take their AVX-512 forms (the same numbers as the AVX2 ones; bits 1: row kernels and
   // attention, 2: lane kernels); 0 where the CPU lacks them
@@ -1663,7 +1718,7 @@ TORCH_LIBRARY(agent_mtp_blockq, m) {
   m.def(
       "decode_layers(Tensor(a!) x, __torch__.torch.classes.agent_mtp_blockq.LayerStack weights, Tensor(b!)[] caches, "
       "Tensor rope, int[] starts, int[] rows, int[] mask_runs, int num_heads, int kv_heads, int head_dim, int inter, "
-      "float eps, float scale) -> ()");
+      "float eps, float scale, int[] coarse_runs=[]) -> ()");
   // RoPE, the cache write and causal attention of a pass's new rows, every sequence (segment) of it in one call
   m.def(
       "attend(Tensor(a!) qkv, Tensor rope, Tensor(b!)[] caches, int[] starts, int[] rows, int num_heads, "
