@@ -58,6 +58,9 @@ tokens; its own cost curve), to show the AVX-512 forms' gain side by side. Witho
 FAST_AVX512 = "fast-avx512"
 """A bench runtime name: the fast runtime with the block kernels in their AVX forms (AMX tiles and VNNI off) on a CPU
 with AMX-INT8 or AVX-512 VNNI, to show the tile records' gain side by side. Without either it is the fast runtime."""
+FAST_EXACT_MASKS = "fast-exact-masks"
+"""A bench runtime name: the fast runtime with ``verified``'s mask rows computed exactly (``draft_masks="exact"``;
+its own cost curve), to show what the 8-bit draft masks gain side by side (the same tokens)."""
 SIBLINGS = (FAST_AVX2, FAST_AVX512)
 """Runtimes that are the fast runtime with other kernels: sibling engines of their own (own cost curves)."""
 
@@ -91,6 +94,8 @@ class BaselineModels:
         if runtime not in self._engines:
             if runtime == FAST_FP32:
                 self._engines[runtime] = self.main.with_runtime("fast", block_weights=False)
+            elif runtime == FAST_EXACT_MASKS:
+                self._engines[runtime] = self.main.with_runtime("fast", draft_masks="exact")
             elif runtime in SIBLINGS:  # a sibling of its own: a fast-runtime main engine would return itself
                 self._engines[runtime] = MTPEngine(self.main.loaded, adapter=self.main.adapter, runtime="fast")
             else:

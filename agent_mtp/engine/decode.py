@@ -44,6 +44,8 @@ class DecodeSetup:
     eos_token_ids: frozenset[int]
     planner: Planner
     """Decides draft and masks of every pass (one per generation: it learns acceptance rates)."""
+    coarse_masks: bool = False
+    """``verified`` on a fast runner: compute the mask rows (only drafts) on an 8-bit grid where the runtime can."""
 
 
 @dataclass
@@ -88,7 +90,7 @@ def decode(
     if share_curve is not None and setup.planner.curve is not None:
         setup.planner.curve = share_curve(setup.planner.curve)
     if hasattr(runner, "coarse_masks"):  # a fast runner: mask rows of a verified pass are only drafts
-        runner.coarse_masks = cfg.mode == "verified"
+        runner.coarse_masks = cfg.mode == "verified" and setup.coarse_masks
     generator = torch.Generator().manual_seed(cfg.seed) if cfg.seed is not None else None
     state = _State(pending=list(prompt_ids[cached:]), context=list(prompt_ids))
     if cfg.mode == "verified":

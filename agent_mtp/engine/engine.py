@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import re
 import threading
 import time
@@ -41,6 +42,11 @@ COST_CURVE_PREFIX = 256
 """Cached context the cost curve's passes attend to (less on a model whose context window is smaller)."""
 Runtime = Literal["auto", "fast", "hf"]
 RUNTIMES: tuple[str, ...] = ("auto", "fast", "hf")
+DraftMasks = Literal["int8", "exact"]
+DRAFT_MASKS: tuple[str, ...] = ("int8", "exact")
+DRAFT_MASKS_ENV = "AGENT_MTP_DRAFT_MASKS"
+"""How ``verified``'s mask rows (only drafts) are computed where the fast runtime's record paths serve a pass:
+``int8`` (default; their inputs on an 8-bit grid per block, ~1/3 of an exact row's multiply work) or ``exact``."""
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
@@ -77,6 +83,7 @@ class MTPEngine:
         runtime: Runtime = "auto",
         prefix_cache_mb: float | None = None,
         block_weights: bool = True,
+        draft_masks: DraftMasks | None = None,
     ) -> None:
         self.loaded = loaded
         self.model = loaded.model
@@ -93,6 +100,9 @@ class MTPEngine:
         self.block_weights = block_weights
         """Fast runtime: short passes read weights that are exactly GGUF quantization blocks (the default model's)
         as blocks (:mod:`agent_mtp.engine.fast.blockq`); False keeps the float32 GEMM for every pass."""
+        self.draft_masks: DraftMasks = draft_masks_setting(draft_masks)
+        """``verified``'s mask rows on the fast runtime's record paths: "int8" (an 8-bit input grid; they are only
+        drafts, which real rows check, so output is the same) or "exact"; ``$AGENT_MTP_DRAFT_MASKS`` by default."""
         self._fast: FastModel | None = None
         self._signature = SourceSignature(self.model)
         """The model's weight signature: the fast model and the prefix cache are reused while it holds."""
@@ -219,7 +229,9 @@ class MTPEngine:
         ids = self.encode_prompt(prompt)
         cfg = self._fit_to_context(cfg, len(ids))
         curve = self.cost_curve if needs_cost_curve(cfg) else None
-        setup = DecodeSetup(self.mask_token_id, self.eos_token_ids, Planner.for_config(cfg, curve))
+        setup = DecodeSetup(
+            self.mask_token_id, self.eos_token_ids, Planner.for_config(cfg, curve), self.draft_masks == "int8"
+        )
         if runner is not None:
             if runner.length:
                 raise ValueError(f"stream(runner=...) needs an empty runner; this one holds {runner.length} tokens.")
@@ -286,15 +298,18 @@ class MTPEngine:
         assert last is not None and last.stats is not None and last.finish_reason is not None
         return GenerationResult("".join(text), ids, last.finish_reason, last.stats)
 
-    def with_runtime(self, runtime: Runtime, *, block_weights: bool | None = None) -> MTPEngine:
-        """This engine if it already runs on ``runtime`` (with ``block_weights``, None: this engine's), else a sibling
-        over the same model, tokenizer and adapter (for side-by-side comparisons; it has its own lock and cost
-        curve)."""
+    def with_runtime(
+        self, runtime: Runtime, *, block_weights: bool | None = None, draft_masks: DraftMasks | None = None
+    ) -> MTPEngine:
+        """This engine if it already runs on ``runtime`` (with ``block_weights`` and ``draft_masks``, None: this
+        engine's), else a sibling over the same model, tokenizer and adapter (for side-by-side comparisons; it has
+        its own lock and cost curve)."""
         blocks = self.block_weights if block_weights is None else block_weights
+        masks = self.draft_masks if draft_masks is None else draft_masks
         same = runtime == self.runtime or (runtime == "auto" and self.runtime == _resolve_runtime("auto", self.model))
-        if same and blocks == self.block_weights:
+        if same and blocks == self.block_weights and masks == self.draft_masks:
             return self
-        return MTPEngine(self.loaded, adapter=self.adapter, runtime=runtime, block_weights=blocks)
+        return MTPEngine(self.loaded, adapter=self.adapter, runtime=runtime, block_weights=blocks, draft_masks=masks)
 
     def new_runner(self) -> Runner:
         """A runner for one sequence on this engine's runtime (the fast model is prepared on first use, and again
@@ -363,6 +378,8 @@ class MTPEngine:
         kernels = "" if self.runtime == "hf" else f"-{blockq.kernel_tag() if self.block_weights else 'fp32'}"
         if rows is not None:
             kernels += f"-r{rows}"  # the crossover the prepared model settled on
+        if self.runtime != "hf" and self.draft_masks == "exact":
+            kernels += "-exactmasks"  # its mask_share is 1
         name = f"{slug}-{device}-{dtype}-{self.runtime}{kernels}-t{compute_threads()}.json"
         return cache_root() / "cost_curves" / name
 
@@ -385,7 +402,7 @@ class MTPEngine:
                 runner.drop(n)
 
             draft_masks_n = None
-            if isinstance(runner, FastRunner) and blockq.records_active():  # verified's masks cost less there
+            if self.draft_masks == "int8" and isinstance(runner, FastRunner) and blockq.records_active():
 
                 def draft_masks_n(n: int) -> None:
                     runner.coarse_masks = True
@@ -395,6 +412,18 @@ class MTPEngine:
                         runner.coarse_masks = False
 
             return measure_cost_curve(forward_n, repeats=COST_CURVE_ROUNDS, draft_masks_n=draft_masks_n)
+
+
+def draft_masks_setting(value: str | None) -> DraftMasks:
+    """``value``, else ``$AGENT_MTP_DRAFT_MASKS``, else "int8"; a clear error for anything else."""
+    source = "draft_masks" if value is not None else DRAFT_MASKS_ENV
+    raw = value if value is not None else (os.environ.get(DRAFT_MASKS_ENV, "").strip().lower() or "int8")
+    if raw not in DRAFT_MASKS:
+        raise ConfigError(
+            f"{source}={raw!r} is not a way to compute verified's mask rows; use 'int8' (the default: drafts on an "
+            "8-bit grid, same output) or 'exact'."
+        )
+    return cast(DraftMasks, raw)
 
 
 def prefix_cache_mb_setting(value: float | None) -> float:

@@ -99,6 +99,8 @@ def test_a_shared_curve_reads_the_load_once_for_every_size(engine: MTPEngine) ->
             runner.shared_load = load
             assert list(curve.costs(2, 12)) == [curve.cost(n) for n in range(2, 14)]
         assert list(curve.costs(1, 3)) != list(CURVE.costs(1, 3))  # beside 15 others, rows cost more than alone
+        cheap_masks = CostCurve(CURVE.points, 0.4)
+        assert runner.share_curve(cheap_masks).mask_share == 0.4  # draft-only masks are cheaper in a batch too
         runner.close()
     finally:
         batched.close()

@@ -304,3 +304,31 @@ def test_draft_only_masks_change_only_the_mask_rows_of_a_pass(
     batch = fast.forward_batch([BatchItem(t, c, len(t), flag) for (t, flag), c in zip(passes, beside, strict=True)])
     for single, batched in zip(singles, batch, strict=True):
         assert torch.equal(single, batched)
+
+
+def test_verified_masks_are_draft_only_on_fast_runners_unless_exact_is_asked(
+    monkeypatch: pytest.MonkeyPatch, engine: MTPEngine
+) -> None:
+    """The decode loop marks a fast runner's masks draft-only for ``verified`` (never for ConfAdapt, which commits
+    mask tokens), unless the engine computes them exactly; greedy verified output is the same either way."""
+    from agent_mtp.engine import DecodeConfig
+    from agent_mtp.engine.engine import DRAFT_MASKS_ENV
+    from agent_mtp.errors import ConfigError
+
+    exact = engine.with_runtime("fast", draft_masks="exact")
+    assert engine.draft_masks == "int8" and exact.draft_masks == "exact" and exact is not engine
+    assert exact._cost_curve_path() != engine._cost_curve_path()
+    prompt = "The quick brown fox"
+    outputs = []
+    for on, mode, expected in ((engine, "verified", True), (engine, "confadapt", False), (exact, "verified", False)):
+        runner = on.new_runner()
+        result = on.generate(prompt, DecodeConfig(mode=mode, max_new_tokens=12, k_max=4), runner=runner)
+        assert runner.coarse_masks is expected, (on.draft_masks, mode)
+        if mode == "verified":
+            outputs.append(result.token_ids)
+    assert outputs[0] == outputs[1]
+    monkeypatch.setenv(DRAFT_MASKS_ENV, "exact")
+    assert MTPEngine(engine.loaded, runtime="hf").draft_masks == "exact"
+    monkeypatch.setenv(DRAFT_MASKS_ENV, "fp8")
+    with pytest.raises(ConfigError, match=r"'fp8'.*int8"):
+        MTPEngine(engine.loaded, runtime="hf")
