@@ -18,7 +18,7 @@ import torch
 
 from agent_mtp.engine import MTPEngine
 from agent_mtp.engine.engine import Runtime
-from agent_mtp.engine.fast import blockq, unsupported_reason
+from agent_mtp.engine.fast import FastRunner, blockq, unsupported_reason
 
 SIZES = (1, 2, 4, 8, 16)
 
@@ -43,8 +43,12 @@ class CurveReport:
         }
 
 
-def _engine_pass(engine: MTPEngine, prefix: list[int]) -> Callable[[int], None]:
+def _engine_pass(engine: MTPEngine, prefix: list[int], *, draft_masks: bool = False) -> Callable[[int], None]:
+    """n-token passes (one real token, then masks) on a runner holding ``prefix``; ``draft_masks``: the masks are
+    draft-only, as ``verified``'s (an 8-bit grid where the record paths serve the pass)."""
     runner = engine.new_runner()
+    if draft_masks and isinstance(runner, FastRunner):
+        runner.coarse_masks = True
     runner.forward(prefix, 1)
 
     def run(n: int) -> None:
@@ -80,9 +84,10 @@ def measure_curves(
     engine: MTPEngine, *, context: int = 300, rounds: int = 5, llama_cpp: Any = None, seed: int = 0
 ) -> CurveReport:
     """Time n-token passes on every runtime (``engine``'s model on "hf", "fast" and, where the fast runtime reads
-    block weights, "fast-fp32" (float32 GEMM only), where its passes run on AMX tiles or VNNI, "fast-avx512" (the
-    AVX kernels instead) and, where its kernels run in AVX-512, "fast-avx2" (the AVX kernels in their AVX2 forms),
-    plus ``llama_cpp`` if given)."""
+    block weights, "fast-fp32" (float32 GEMM only), where its passes run on AMX tiles or VNNI, "fast-draft-masks"
+    (the masks draft-only, as ``verified``'s: on an 8-bit grid) and "fast-avx512" (the AVX kernels instead) and,
+    where its kernels run in AVX-512, "fast-avx2" (the AVX kernels in their AVX2 forms), plus ``llama_cpp`` if
+    given)."""
     high = min(1000, engine.mask_token_id)
     prefix = [int(t) for t in torch.randint(3, high, (context,), generator=torch.Generator().manual_seed(seed))]
     runtimes: tuple[Runtime, ...] = ("hf", "fast") if unsupported_reason(engine.model) is None else ("hf",)
@@ -90,6 +95,7 @@ def measure_curves(
     if "fast" in runtimes and blockq.kernel_tag() != "fp32":
         passes["fast-fp32"] = _engine_pass(engine.with_runtime("fast", block_weights=False), prefix)
         if blockq.records_active():
+            passes["fast-draft-masks"] = _engine_pass(engine.with_runtime("fast"), prefix, draft_masks=True)
             passes["fast-avx512"] = _on_avx(passes["fast"], wide=True)
         if blockq.avx512_active():
             passes["fast-avx2"] = _on_avx(passes["fast"], wide=False)

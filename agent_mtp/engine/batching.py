@@ -285,11 +285,16 @@ class SharedPassCurve(CostCurve):
 
     def __init__(self, base: CostCurve, runner: BatchingRunner) -> None:
         object.__setattr__(self, "points", base.points)
-        object.__setattr__(self, "mask_share", base.mask_share)
         object.__setattr__(self, "_base", base)
         object.__setattr__(self, "_runner", runner)
         object.__setattr__(self, "_fit", None)
         object.__setattr__(self, "_ranges", {})
+
+    @property  # type: ignore[override]
+    def mask_share(self) -> float:
+        """The base curve's share alone; beside other sequences 1.0: the pass times the fit reads were measured
+        with their draft-only masks in them, so the fitted rows' cost already holds the masks' discount."""
+        return self._base.mask_share if self._runner.shared_load[0] == 0 else 1.0
 
     def cost(self, n: int) -> float:
         return self.costs(n, 1)[0]

@@ -99,8 +99,11 @@ def test_a_shared_curve_reads_the_load_once_for_every_size(engine: MTPEngine) ->
             runner.shared_load = load
             assert list(curve.costs(2, 12)) == [curve.cost(n) for n in range(2, 14)]
         assert list(curve.costs(1, 3)) != list(CURVE.costs(1, 3))  # beside 15 others, rows cost more than alone
-        cheap_masks = CostCurve(CURVE.points, 0.4)
-        assert runner.share_curve(cheap_masks).mask_share == 0.4  # draft-only masks are cheaper in a batch too
+        shared = runner.share_curve(CostCurve(CURVE.points, 0.4))
+        runner.shared_load = (0, 0)
+        assert shared.mask_share == 0.4  # alone: the base curve's draft-only masks
+        runner.shared_load = (3, 5)
+        assert shared.mask_share == 1.0  # beside others: the fitted pass times already hold the masks' discount
         runner.close()
     finally:
         batched.close()
