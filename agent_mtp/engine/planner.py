@@ -14,10 +14,9 @@
   (value / cost) over {no draft, each source's draft} x their prefixes x mask counts: the extra rows at what they
   add to the pass, as a one-token pass carries them (a prefill's own cost does not make them cheap), each mask at
   the curve's ``mask_share`` of a draft row (a verified mask row is only a draft, computed on an 8-bit grid where
-  the fast runtime can). A weak
-  adapter is used sparingly and a strong one fully, without any setting changing; output stays exact whatever is
-  chosen. Where no option could beat the plain pass (:meth:`Planner.plain_if_hopeless`) the sources are not
-  asked.
+  the fast runtime can). A weak adapter is used sparingly and a strong one fully, without any setting changing;
+  output stays exact whatever is chosen. Where no option could beat the plain pass
+  (:meth:`Planner.plain_if_hopeless`) the sources are not asked.
 * ``verified``, not cost-aware: the best-scoring draft and ``k_max - 1`` masks (the k rule above with "auto").
 """
 
