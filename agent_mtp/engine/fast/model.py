@@ -521,14 +521,8 @@ def _coarse_runs(rows: MaskRuns, segments: Sequence[_Segment], items: Sequence[B
     """The mask runs of the sequences whose mask rows are only drafts (:attr:`BatchItem.coarse_masks`)."""
     if not rows or not any(item.coarse_masks for item in items):
         return []
-    out: list[slice] = []
-    for seg, item in zip(segments, items, strict=True):
-        if item.coarse_masks:
-            for run in rows:
-                start, stop = max(run.start, seg.row_start), min(run.stop, seg.row_end)
-                if start < stop:
-                    out.append(slice(start, stop))
-    return out
+    pairs = zip(segments, items, strict=True)
+    return [run for seg, item in pairs if item.coarse_masks for run in _clipped(rows, seg.row_start, seg.row_end)]
 
 
 def _kept_runs(runs: MaskRuns, segments: Sequence[_Segment], items: Sequence[BatchItem]) -> list[slice]:
@@ -537,12 +531,16 @@ def _kept_runs(runs: MaskRuns, segments: Sequence[_Segment], items: Sequence[Bat
     offset = 0
     for seg, item in zip(segments, items, strict=True):
         first = seg.row_end - item.keep
-        for run in runs:
-            start, stop = max(run.start, first), min(run.stop, seg.row_end)
-            if start < stop:
-                out.append(slice(offset + start - first, offset + stop - first))
+        shift = offset - first
+        out += [slice(r.start + shift, r.stop + shift) for r in _clipped(runs, first, seg.row_end)]
         offset += item.keep
     return out
+
+
+def _clipped(runs: MaskRuns, start: int, stop: int) -> list[slice]:
+    """The parts of ``runs`` inside rows [start, stop)."""
+    parts = [slice(max(r.start, start), min(r.stop, stop)) for r in runs]
+    return [p for p in parts if p.start < p.stop]
 
 
 def _mask_runs(tokens: Sequence[int], mask_token_id: int | None) -> list[slice]:

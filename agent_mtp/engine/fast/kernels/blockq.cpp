@@ -529,8 +529,8 @@ struct Grid {
   std::vector<int8_t> a0;
   std::vector<uint8_t> a12;
   std::vector<float> step, sum;  // [rows][blocks]
-  std::vector<uint8_t> coarse;  // [rows]: 1 where a row is on an 8-bit grid only (a0 = x * 127 / peak, a1 = a2 = 0)
-  bool coarse_row(int64_t r) const { return !coarse.empty() && coarse[static_cast<size_t>(r)] != 0; }
+  const uint8_t* coarse = nullptr;  // [rows] or none: 1 where a row is on an 8-bit grid (a0 = x * 127 / peak)
+  bool coarse_row(int64_t r) const { return coarse != nullptr && coarse[r] != 0; }
 };
 
 // sum of 32 floats as ((v0 + v1) lane sums, reduced in a fixed order).
@@ -539,8 +539,7 @@ inline float block_sum(__m512 v0, __m512 v1) { return _mm512_reduce_add_ps(_mm51
 Grid on_grid(const float* x, int64_t rows, int64_t k, const uint8_t* coarse = nullptr) {
   const int64_t blocks = k / kBlock;
   Grid g;
-  if (coarse != nullptr && std::any_of(coarse, coarse + rows, [](uint8_t c) { return c != 0; }))
-    g.coarse.assign(coarse, coarse + rows);
+  g.coarse = coarse;  // the caller's flags, alive for the product's call
   g.a0.resize(static_cast<size_t>(blocks * rows * kBlock));
   g.a12.resize(static_cast<size_t>(blocks * rows * 2 * kBlock));
   g.step.resize(static_cast<size_t>(rows * blocks));
