@@ -59,7 +59,8 @@ def bench(
             "static-<k>, confadapt-<tau>[-auto], verified[-mtp|-ngram][-auto]; an engine variant ending in @hf or "
             "@fast runs on that runtime (@fast-fp32: the fast runtime without block weights; @fast-avx2: its "
             "kernels in their AVX2 forms on an AVX-512 CPU; @fast-avx512: its AVX kernels instead of AMX tiles on "
-            "an AMX CPU; @fast-exact-masks: verified's mask rows computed exactly). Default: all of "
+            "an AMX CPU; @fast-amx: AMX tiles for every pass where short ones otherwise take VNNI; "
+            "@fast-exact-masks: verified's mask rows computed exactly). Default: all of "
             "them with the threshold sweep (llama-cpp when installed)."
         ),
     ] = None,

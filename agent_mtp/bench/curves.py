@@ -68,6 +68,16 @@ def _on_avx(run: Callable[[int], None], *, wide: bool) -> Callable[[int], None]:
     return on_avx
 
 
+def _on_tiles(run: Callable[[int], None]) -> Callable[[int], None]:
+    """The same passes with the AMX tiles for every pass (no short pass on VNNI)."""
+
+    def on_tiles(n: int) -> None:
+        with blockq.tiles_from(blockq.TILES_EVERY_PASS):
+            run(n)
+
+    return on_tiles
+
+
 def _llama_cpp_pass(peer: Any, prefix: list[int]) -> Callable[[int], None]:
     llm = peer.llm
     llm.reset()
@@ -85,7 +95,8 @@ def measure_curves(
 ) -> CurveReport:
     """Time n-token passes on every runtime (``engine``'s model on "hf", "fast" and, where the fast runtime reads
     block weights, "fast-fp32" (float32 GEMM only), where its passes run on AMX tiles or VNNI, "fast-draft-masks"
-    (the masks draft-only, as ``verified``'s: on an 8-bit grid) and "fast-avx512" (the AVX kernels instead) and,
+    (the masks draft-only, as ``verified``'s: on an 8-bit grid) and "fast-avx512" (the AVX kernels instead), where
+    short passes take VNNI beside the AMX tiles, "fast-amx" and "fast-amx-draft-masks" (the tiles for every pass) and,
     where its kernels run in AVX-512, "fast-avx2" (the AVX kernels in their AVX2 forms), plus ``llama_cpp`` if
     given)."""
     high = min(1000, engine.mask_token_id)
@@ -96,6 +107,9 @@ def measure_curves(
         passes["fast-fp32"] = _engine_pass(engine.with_runtime("fast", block_weights=False), prefix)
         if blockq.records_active():
             passes["fast-draft-masks"] = _engine_pass(engine.with_runtime("fast"), prefix, draft_masks=True)
+            if blockq.tiles_active() and blockq.tile_rows() != blockq.TILES_EVERY_PASS:
+                passes["fast-amx"] = _on_tiles(passes["fast"])
+                passes["fast-amx-draft-masks"] = _on_tiles(passes["fast-draft-masks"])
             passes["fast-avx512"] = _on_avx(passes["fast"], wide=True)
         if blockq.avx512_active():
             passes["fast-avx2"] = _on_avx(passes["fast"], wide=False)

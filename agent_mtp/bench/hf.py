@@ -61,15 +61,22 @@ with AMX-INT8 or AVX-512 VNNI, to show the tile records' gain side by side. With
 FAST_EXACT_MASKS = "fast-exact-masks"
 """A bench runtime name: the fast runtime with ``verified``'s mask rows computed exactly (``draft_masks="exact"``;
 its own cost curve), to show what the 8-bit draft masks gain side by side (the same tokens)."""
-SIBLINGS = (FAST_AVX2, FAST_AVX512)
+FAST_AMX = "fast-amx"
+"""A bench runtime name: the fast runtime with every block pass on the AMX tiles, on a CPU that also has AVX-512
+VNNI (where short passes otherwise take VNNI: :data:`agent_mtp.engine.fast.blockq.AMX_ROWS_ENV`; the same tokens,
+its own cost curve), to show that choice's gain side by side. Elsewhere it is the fast runtime."""
+SIBLINGS = (FAST_AVX2, FAST_AVX512, FAST_AMX)
 """Runtimes that are the fast runtime with other kernels: sibling engines of their own (own cost curves)."""
 
 
 def kernels_for(runtime: str | None) -> contextlib.AbstractContextManager[object]:
     """What a variant on ``runtime`` runs inside: the AVX kernels (tiles and VNNI off) for :data:`FAST_AVX512`, and in
-    their AVX2 forms for :data:`FAST_AVX2`; else the process's choice."""
+    their AVX2 forms for :data:`FAST_AVX2`; the tiles for every pass for :data:`FAST_AMX`; else the process's
+    choice."""
     stack = contextlib.ExitStack()
-    if runtime in SIBLINGS and blockq.kernels_available():
+    if runtime == FAST_AMX and blockq.kernels_available():
+        stack.enter_context(blockq.tiles_from(blockq.TILES_EVERY_PASS))
+    elif runtime in SIBLINGS and blockq.kernels_available():
         stack.enter_context(blockq.avx_kernels())
         if runtime == FAST_AVX2:
             stack.enter_context(blockq.avx512(False))

@@ -5,9 +5,11 @@ still greedy-exact against HF. Skipped where the CPU (or the OS) gives neither A
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -131,7 +133,14 @@ def test_tile_layout_holds_each_features_inputs_in_b_tile_order() -> None:
 
 def test_record_switches_and_kernel_tag(path: str) -> None:
     tag = blockq.kernel_tag()
-    assert tag == "blockq8-amx" if path == "amx" else tag.startswith("blockq8") and tag.endswith("-vnni")
+    if path == "amx":  # VNNI off (the fixture): the tiles serve every pass
+        assert tag == "blockq8-amx"
+        with blockq.tiles_from(blockq.TileRows(6, 24)):
+            assert blockq.kernel_tag() == "blockq8-amx"
+            with blockq.vnni(True) as both:  # short passes on VNNI: a tag (cost curve) of its own
+                assert blockq.kernel_tag() == ("blockq8-vnni-amx6-24" if both else "blockq8-amx")
+    else:
+        assert tag.startswith("blockq8") and tag.endswith("-vnni")
     with blockq.avx_kernels():
         assert not blockq.records_active() and not blockq.kernel_tag().endswith(("-amx", "-vnni"))
     assert blockq.records_active() and blockq.kernel_tag() == tag
@@ -332,3 +341,151 @@ def test_verified_masks_are_draft_only_on_fast_runners_unless_exact_is_asked(
     monkeypatch.setenv(DRAFT_MASKS_ENV, "fp8")
     with pytest.raises(ConfigError, match=r"'fp8'.*int8"):
         MTPEngine(engine.loaded, runtime="hf")
+
+
+@contextlib.contextmanager
+def _amx_and_vnni(path: str) -> Iterator[None]:
+    """Both record paths on (the ``path`` fixture turns VNNI off on the AMX path), or skip."""
+    if path != "amx" or "vnni" not in _paths():
+        pytest.skip("needs a CPU with both AMX-INT8 and AVX-512 VNNI")
+    with blockq.vnni(True):
+        yield
+
+
+def test_short_passes_take_vnni_and_long_ones_the_tiles(path: str) -> None:
+    """Where the CPU has both record paths, a pass goes to the tiles from the exact rows set, a drafted pass (one
+    exact row, then draft-only rows) from the drafted rows set, and mixed passes by their weight in between."""
+    with _amx_and_vnni(path), blockq.tiles_from(blockq.TileRows(6, 24)):
+        assert blockq.tile_rows() == blockq.TileRows(6, 24)
+        assert [blockq.records_path(n) for n in (1, 5, 6, 40)] == ["vnni", "vnni", "amx", "amx"]
+        assert [blockq.records_path(n, n - 1) for n in (2, 23, 24, 40)] == ["vnni", "vnni", "amx", "amx"]
+        assert blockq.records_path(8, 4) == "vnni"  # 4 exact rows and 4 draft-only (each 5/23 of a row): 4.9 rows
+        assert blockq.records_path(7, 1) == "amx" and blockq.records_path(6, 1) == "vnni"
+        with blockq.vnni(False):
+            assert blockq.records_path(1) == "amx"  # without VNNI the tiles serve every pass
+        with blockq.amx(False):
+            assert blockq.records_path(40) == "vnni"
+        with blockq.avx_kernels():
+            assert blockq.records_path(40) == "avx"
+    with _amx_and_vnni(path):
+        _every_or_none()
+
+
+def _every_or_none() -> None:
+    for rows, expected in (
+        (blockq.TILES_EVERY_PASS, "amx"),
+        (blockq.TileRows(1, 1), "amx"),
+        (blockq.TILES_NEVER, "vnni"),
+    ):
+        with blockq.tiles_from(rows):
+            assert blockq.records_path(1) == expected and blockq.records_path(64, 63) == expected
+
+
+def test_passes_split_between_tiles_and_vnni_keep_the_tiles_bits(
+    monkeypatch: pytest.MonkeyPatch, path: str, engine: MTPEngine
+) -> None:
+    """Whole passes (one sequence and batches; exact and draft-only masks) split between the two paths by size
+    give every row the bits the tiles give it: the choice is speed only."""
+    from agent_mtp.engine.fast import BatchItem
+
+    monkeypatch.setenv(blockq.ROWS_ENV, "64")  # every pass on the records (a small model's crossover is low)
+    fast = FastModel.from_hf(engine.model, mask_token_id=engine.mask_token_id)
+    mask = engine.mask_token_id
+    ids = _random_ids(12, seed=5)
+    passes = [([5], False), ([7, mask, mask], True), ([9, 3, mask, mask, mask, mask], True), ([4, 8, 2, 6], False)]
+
+    def run(rows: blockq.TileRows) -> list[torch.Tensor]:
+        with blockq.tiles_from(rows):
+            out: list[torch.Tensor] = []
+            for tokens, coarse in passes:
+                cache = fast.new_cache()
+                fast.forward(ids, cache, 1)
+                out.append(fast.forward(tokens, cache, len(tokens), coarse_masks=coarse))
+            caches = [fast.new_cache() for _ in passes]
+            for cache in caches:
+                fast.forward(ids, cache, 1)
+            items = [BatchItem(t, c, len(t), flag) for (t, flag), c in zip(passes, caches, strict=True)]
+            return out + fast.forward_batch(items)
+
+    with _amx_and_vnni(path):
+        split = run(blockq.TileRows(3, 5))
+        every, never = run(blockq.TILES_EVERY_PASS), run(blockq.TILES_NEVER)
+    for a, b, c in zip(every, split, never, strict=True):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
+@pytest.mark.parametrize(
+    ("exact_from", "drafted_from", "expected"),
+    [
+        (6, 24, blockq.TileRows(6, 24)),
+        (1, 4, blockq.TILES_EVERY_PASS),
+        (8, 99, blockq.TileRows(8, 64)),
+        (99, 99, blockq.TileRows(64, 64)),
+    ],
+)
+def test_tile_rows_measurement_finds_where_the_tiles_win(
+    monkeypatch: pytest.MonkeyPatch, path: str, exact_from: int, drafted_from: int, expected: blockq.TileRows
+) -> None:
+    """The smallest candidate from which the tiles win (exact passes, then drafted ones); twice the largest
+    candidate where they never do; the tiles for every pass where they win from one row."""
+    import time
+
+    from agent_mtp.engine.fast import weights
+
+    linears = [weights.PackedLinear(q4_1(torch.randn(64, 128)), prepack=False) for _ in range(2)]
+    for linear in linears:
+        product = linear.blocks_product
+
+        def slowed(x: torch.Tensor, norm: Any = None, coarse: Any = (), product: Any = product) -> torch.Tensor:
+            rows, drafted = x.shape[0], bool(coarse)
+            tiles_faster = rows >= (drafted_from if drafted else exact_from)
+            on_tiles = blockq.records_path(rows, rows - 1 if drafted else 0) == "amx"
+            if on_tiles != tiles_faster:
+                time.sleep(0.002)
+            return product(x, norm, coarse)
+
+        monkeypatch.setattr(linear, "blocks_product", slowed)
+    with _amx_and_vnni(path):
+        assert weights.measure_tile_rows(linears, rounds=1) == expected
+
+
+def test_tile_rows_are_settled_once_per_process_unless_pinned(monkeypatch: pytest.MonkeyPatch, path: str) -> None:
+    from agent_mtp.errors import ConfigError
+
+    calls: list[int] = []
+
+    def measure() -> blockq.TileRows:
+        calls.append(1)
+        return blockq.TileRows(5, 17)
+
+    with _amx_and_vnni(path), blockq.tiles_from(blockq.tile_rows()):  # restores the process's choice afterwards
+        monkeypatch.delenv(blockq.AMX_ROWS_ENV, raising=False)
+        monkeypatch.setattr(blockq, "_tiles_settled", [])
+        assert blockq.settle_tile_rows(measure) == blockq.TileRows(5, 17) == blockq.tile_rows()
+        assert blockq.settle_tile_rows(measure) == blockq.TileRows(5, 17) and calls == [1]  # measured once
+        monkeypatch.setattr(blockq, "_tiles_settled", [])
+        monkeypatch.setenv(blockq.AMX_ROWS_ENV, "8,20")
+        assert blockq.pinned_tile_rows() == blockq.TileRows(8, 20)
+        assert blockq.settle_tile_rows(measure) == blockq.TileRows(5, 17) and calls == [1]  # pinned: not measured
+    for raw, expected in (("8", blockq.TileRows(8, 8)), (" 0 ", blockq.TileRows(0, 0)), ("", None)):
+        monkeypatch.setenv(blockq.AMX_ROWS_ENV, raw)
+        assert blockq.pinned_tile_rows() == expected
+    for bad in ("eight", "8,", "1,2,3", "-4"):
+        monkeypatch.setenv(blockq.AMX_ROWS_ENV, bad)
+        with pytest.raises(ConfigError, match=blockq.AMX_ROWS_ENV):
+            blockq.pinned_tile_rows()
+
+
+def test_pinned_tile_rows_serve_from_the_start() -> None:
+    """``AGENT_MTP_AMX_ROWS`` sets the split when the kernels load (a process that never measures keeps it)."""
+    code = (
+        "from agent_mtp.engine.fast import blockq; "
+        "print(blockq.tile_rows(), blockq.records_path(3), blockq.records_path(4))"
+    )
+    env = {**os.environ, blockq.AMX_ROWS_ENV: "4,10"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    expected = "4 exact / 10 drafted rows vnni amx" if "vnni" in _paths() and "amx" in _paths() else None
+    if expected is None:
+        pytest.skip("needs a CPU with both AMX-INT8 and AVX-512 VNNI")
+    assert done.stdout.strip() == expected

@@ -80,6 +80,43 @@ AMX_ENV = "AGENT_MTP_AMX"
 VNNI_ENV = "AGENT_MTP_VNNI"
 """Set to 0 to keep the AVX kernels on a CPU with AVX-512 VNNI but no AMX (unset or 1: every block pass multiplies the
 tile records with VNNI's byte products, :func:`vnni_active`: the tiles' numbers)."""
+AMX_ROWS_ENV = "AGENT_MTP_AMX_ROWS"
+"""Where the CPU has both AMX-INT8 and AVX-512 VNNI: ``N`` or ``N,M``: passes of N exact rows or more multiply on the
+AMX tiles and shorter ones with VNNI's byte products; a drafted pass (one exact row, then draft-only rows on the
+8-bit grid, as ``verified``'s masks) goes to the tiles from M rows (default N). Both paths give the same bits. 0: the
+tiles serve every pass. Unset: measured once per process on the first large model (:func:`settle_tile_rows`); until
+then the tiles serve every pass."""
+ROW_WEIGHT = 1024
+"""An exact row's weight in the kernels' pass weights (``tiles_from`` in kernels/blockq.cpp)."""
+
+
+@dataclass(frozen=True)
+class TileRows:
+    """From which pass sizes the AMX tiles, rather than VNNI, multiply a pass (where the CPU has both). A tile product
+    costs about the same for 1-8 rows of any kind; VNNI's grows with every row, an exact row's (three byte products per
+    weight) faster than a draft-only row's (one)."""
+
+    exact: int
+    """Passes of this many exact rows or more go to the tiles (0 or 1: every pass)."""
+    drafted: int
+    """A pass of one exact row and draft-only rows goes to the tiles from this many rows."""
+
+    def weights(self) -> tuple[int, int]:
+        """(the pass weight from which the tiles serve, a draft-only row's weight), an exact row weighing
+        :data:`ROW_WEIGHT`: mixed passes (batches) are placed between the two measured kinds."""
+        if self.exact <= 1:
+            return 0, ROW_WEIGHT
+        light = -(-ROW_WEIGHT * (self.exact - 1) // (self.drafted - 1)) if self.drafted > 1 else ROW_WEIGHT
+        return ROW_WEIGHT * self.exact, light
+
+    def __str__(self) -> str:
+        return "every pass" if self.exact <= 1 else f"{self.exact} exact / {self.drafted} drafted rows"
+
+
+TILES_EVERY_PASS = TileRows(0, 0)
+"""The tiles serve every pass (before a measurement, or where VNNI is off)."""
+TILES_NEVER = TileRows(1 << 20, 1 << 20)
+"""A :func:`tiles_from` value that keeps every pass on VNNI (for A/B runs)."""
 
 
 class Wide(enum.IntFlag):
@@ -155,6 +192,76 @@ def settle_avx512(measure: Callable[[], Wide]) -> Wide:
                 log.info("Block kernels: AVX-512 forms for %s (the faster here)", _forms_name(avx512_forms()))
             _settled.append(avx512_forms())
         return _settled[0]
+
+
+def pinned_tile_rows() -> TileRows | None:
+    """The pass sizes :data:`AMX_ROWS_ENV` pins, or None where it is unset (then they are measured)."""
+    raw = os.environ.get(AMX_ROWS_ENV, "").strip()
+    if not raw:
+        return None
+    parts = [p.strip() for p in raw.split(",")]
+    if len(parts) > 2 or not all(p.isdigit() for p in parts):
+        raise ConfigError(
+            f"{AMX_ROWS_ENV}={raw!r} is not N or N,M (whole numbers of rows): set e.g. {AMX_ROWS_ENV}=8 (passes of 8 "
+            "rows or more on the AMX tiles, shorter ones on VNNI), 8,24 (drafted passes from 24 rows), 0 (the tiles "
+            "for every pass), or unset it to measure them."
+        )
+    exact = int(parts[0])
+    return TileRows(exact, int(parts[-1]))
+
+
+_tile_rows_now = [TILES_EVERY_PASS]
+"""The :class:`TileRows` the kernels hold (set only by :func:`_set_tile_rows`)."""
+
+
+def tile_rows() -> TileRows:
+    """From which pass sizes the AMX tiles serve a pass where VNNI could too, as the kernels stand."""
+    kernels_available()  # loading them applies a pinned choice
+    return _tile_rows_now[0]
+
+
+def _set_tile_rows(rows: TileRows) -> None:
+    torch.ops.agent_mtp_blockq.tiles_from(*rows.weights())
+    _tile_rows_now[0] = rows
+
+
+def records_path(rows: int, light: int = 0) -> str:
+    """Which path multiplies a pass of ``rows`` rows (``light`` of them draft-only, on the 8-bit grid) for weights
+    with a record layout, as the switches stand: "amx", "vnni" or "avx" (the AVX kernels)."""
+    if not kernels_available():
+        return "avx"
+    return ("avx", "vnni", "amx")[int(torch.ops.agent_mtp_blockq.records_path(rows, light))]
+
+
+@contextlib.contextmanager
+def tiles_from(rows: TileRows) -> Iterator[None]:
+    """Inside the block, the AMX tiles serve the passes ``rows`` gives them and VNNI the others (where both are on;
+    :data:`TILES_NEVER`: VNNI every pass), process-wide, for benchmarks and tests; restored after."""
+    if not kernels_available():
+        raise ConfigError("The block-weight kernels are not loaded in this process; there are no AMX tiles to pick.")
+    before = tile_rows()
+    _set_tile_rows(rows)
+    try:
+        yield
+    finally:
+        _set_tile_rows(before)
+
+
+_tiles_settled: list[TileRows] = []
+
+
+def settle_tile_rows(measure: Callable[[], TileRows]) -> TileRows:
+    """Where the tiles and VNNI are both on: ``measure()`` (the pass sizes from which the tiles are the faster,
+    :func:`agent_mtp.engine.fast.weights.measure_tile_rows`) decides once per process, the first time a model large
+    enough to time is prepared, unless :data:`AMX_ROWS_ENV` pins them. Returns :func:`tile_rows`."""
+    with _settle_lock:
+        if not _tiles_settled:
+            if pinned_tile_rows() is None and tiles_active() and torch.ops.agent_mtp_blockq.vnni_records(-1):
+                rows = measure()
+                _set_tile_rows(rows)
+                log.info("Block passes on AMX tiles from %s, shorter ones on VNNI (measured)", rows)
+            _tiles_settled.append(tile_rows())
+        return _tiles_settled[0]
 
 
 def _forms_name(forms: Wide) -> str:
@@ -250,6 +357,7 @@ def kernels_available() -> bool:
             torch.ops.agent_mtp_blockq.avx512_forms(int(Wide.ALL if pinned is None else pinned))
             torch.ops.agent_mtp_blockq.amx_tiles(int(_switched_on(AMX_ENV)))
             torch.ops.agent_mtp_blockq.vnni_records(int(_switched_on(VNNI_ENV)))
+            _set_tile_rows(pinned_tile_rows() or TILES_EVERY_PASS)
             return True
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             reason = f"building or loading them failed: {str(e).strip()[:500]}"
@@ -262,7 +370,8 @@ def kernel_tag() -> str:
     if not (enabled() and kernels_available()):
         return "fp32"
     if tiles_active():
-        return "blockq8-amx"
+        rows = tile_rows() if torch.ops.agent_mtp_blockq.vnni_records(-1) else TILES_EVERY_PASS
+        return "blockq8-amx" if rows == TILES_EVERY_PASS else f"blockq8-vnni-amx{rows.exact}-{rows.drafted}"
     forms = avx512_forms()  # 8: draft-only masks on the 8-bit grid (7: Q8_0 lanes from 2 rows, row kernels prefetch)
     tag = {Wide.NONE: "blockq8", Wide.ALL: "blockq8-avx512"}.get(forms, f"blockq8-avx512{(forms.name or '').lower()}")
     return f"{tag}-vnni" if vnni_active() else tag

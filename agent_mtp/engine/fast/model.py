@@ -33,6 +33,7 @@ from agent_mtp.engine.fast.weights import (
     flat_runs,
     measure_avx512,
     measure_block_rows,
+    measure_tile_rows,
     rope_pair_order,
     stack_low_rank,
 )
@@ -240,6 +241,8 @@ class FastModel:
         large = sum(linear.nbytes() for linear in linears) >= CROSSOVER_BYTES
         if large and not blockq.tiles_active():  # the kernel form first: the crossover is measured on it
             blockq.settle_avx512(lambda: measure_avx512(linears))
+        if large and blockq.tiles_active():  # which passes the tiles serve and which VNNI (the same bits)
+            blockq.settle_tile_rows(lambda: measure_tile_rows(linears))
         if rows is None and large:
             rows = measure_block_rows(linears)
             log.info("Block weights serve passes of up to %d rows here (measured against the float32 GEMM)", rows)

@@ -196,6 +196,12 @@ def _form_sample(linears: Sequence[PackedLinear]) -> list[PackedLinear]:
     return chosen
 
 
+def _random_inputs(linears: Sequence[PackedLinear], rows: int) -> dict[int, torch.Tensor]:
+    """Seeded random inputs [rows, in_features] for each input width of ``linears`` (the measurements' rows)."""
+    widths = {x.in_features for x in linears}
+    return {w: torch.randn(rows, w, generator=torch.Generator().manual_seed(0)) for w in widths}
+
+
 def _block_bytes(linear: PackedLinear) -> int:
     blocks = linear.blocks
     assert blocks is not None
@@ -218,10 +224,7 @@ def measure_avx512(linears: Sequence[PackedLinear], *, rounds: int = 3) -> block
     with blockq.avx512(True) as wide:
         if not wide or not chosen:
             return blockq.Wide.ALL if wide else blockq.Wide.NONE
-    inputs = {
-        w: torch.randn(max(max(s) for s in WIDE_ROWS.values()), w, generator=torch.Generator().manual_seed(0))
-        for w in {x.in_features for x in chosen}
-    }
+    inputs = _random_inputs(chosen, max(max(s) for s in WIDE_ROWS.values()))
 
     def timed(form: blockq.Wide, rows: int) -> float:
         with blockq.avx512(form), blockq.vnni(False):  # the AVX kernels' forms (they serve where VNNI is off)
@@ -254,6 +257,64 @@ def measure_avx512(linears: Sequence[PackedLinear], *, rounds: int = 3) -> block
     return faster
 
 
+TILE_ROWS_CANDIDATES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+"""Pass sizes at which :func:`measure_tile_rows` times the AMX tiles against VNNI."""
+
+
+def measure_tile_rows(linears: Sequence[PackedLinear], *, rounds: int = 2) -> blockq.TileRows:
+    """From which pass sizes the AMX tiles multiply ``linears``' blocks at least as fast as VNNI: passes of exact rows,
+    and drafted passes (one exact row, then draft-only rows on the 8-bit grid, as ``verified``'s). Each is the
+    smallest of :data:`TILE_ROWS_CANDIDATES` at which the tiles win there and at the next candidate (one noisy win
+    does not decide), twice the largest where they win at none. The two paths give the same bits, so the faster one
+    may serve each pass.
+
+    A tile product costs about the same for 1-8 rows, VNNI's byte products grow with every row (an exact row's three
+    per weight, a draft-only row's one): on a 2-core Sapphire-Rapids-class VM VNNI was 1.5x faster at one row and still
+    at 4, the tiles 1.1x faster from 8 exact rows, and VNNI 1.4x faster at 16 drafted rows. Each round multiplies the
+    sample of :func:`_form_sample` (past every CPU cache, as in a pass) on both paths alternately; the fastest of
+    ``rounds`` counts. Run it on the thread that runs passes."""
+    chosen = _form_sample(linears)
+    if not chosen:
+        return blockq.TILES_EVERY_PASS
+    widest = max(TILE_ROWS_CANDIDATES)
+    inputs = _random_inputs(chosen, widest)
+
+    def timed(tiles: bool, rows: int, drafted: bool) -> float:
+        coarse = [1, rows] if drafted and rows > 1 else []
+        with blockq.tiles_from(blockq.TILES_EVERY_PASS if tiles else blockq.TILES_NEVER):
+            start = time.perf_counter()
+            for linear in chosen:
+                linear.blocks_product(inputs[linear.in_features][:rows], None, coarse)
+            return time.perf_counter() - start
+
+    timed(True, 1, False)  # warm-up: first-touch pages, the tile configuration
+    timed(False, 1, False)
+
+    def first_win(drafted: bool) -> int:
+        wins: list[int] = []
+        for rows in TILE_ROWS_CANDIDATES[1:] if drafted else TILE_ROWS_CANDIDATES:  # a drafted pass has 2+ rows
+            on_tiles = on_vnni = math.inf
+            for _ in range(rounds):
+                on_tiles = min(on_tiles, timed(True, rows, drafted))
+                on_vnni = min(on_vnni, timed(False, rows, drafted))
+            log.debug(
+                "%s passes of %d rows: tiles %.2f ms, VNNI %.2f ms",
+                "drafted" if drafted else "exact",
+                rows,
+                1e3 * on_tiles,
+                1e3 * on_vnni,
+            )
+            wins = [*wins, rows] if on_tiles <= on_vnni else []
+            if len(wins) == 2:
+                return wins[0]
+        return wins[0] if wins else 2 * widest
+
+    exact = first_win(drafted=False)
+    if exact <= 1:
+        return blockq.TILES_EVERY_PASS
+    return blockq.TileRows(exact, max(exact, first_win(drafted=True)))
+
+
 def measure_block_rows(linears: Sequence[PackedLinear], *, rounds: int = 3) -> int:
     """The largest of :data:`CROSSOVER_CANDIDATES` at which reading the blocks is at least as fast as the float32
     GEMM, scanning upwards until the blocks lose at two candidates in a row (one noisy loss does not end the scan);
@@ -265,10 +326,7 @@ def measure_block_rows(linears: Sequence[PackedLinear], *, rounds: int = 3) -> i
     chosen = _crossover_sample(linears)
     if not chosen:
         return blockq.MAX_ROWS
-    widest = max(TILE_CROSSOVER_CANDIDATES)
-    inputs = {
-        w: torch.randn(widest, w, generator=torch.Generator().manual_seed(0)) for w in {x.in_features for x in chosen}
-    }
+    inputs = _random_inputs(chosen, max(TILE_CROSSOVER_CANDIDATES))
 
     def timed(blocks: bool, rows: int) -> float:
         start = time.perf_counter()

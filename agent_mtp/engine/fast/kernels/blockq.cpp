@@ -882,8 +882,7 @@ bool amx_supported() {
   return supported;
 }
 
-std::atomic<bool> g_tiles{false};  // set at load (below): AMX tiles for every pass that has a tile layout
-inline bool tiles_on() { return g_tiles.load(std::memory_order_relaxed); }
+std::atomic<bool> g_tiles{false};  // set at load (below): AMX tiles for passes that have a tile layout (records_path)
 
 // request 1: use the tiles where the CPU has them, 0: not, -1: leave as is. Returns whether they are in use.
 bool amx_tiles(int64_t request) {
@@ -899,7 +898,6 @@ bool vnni_supported() {
 }
 
 std::atomic<bool> g_vnni{false};  // set at load (below): VNNI for block passes that have a record layout
-inline bool vnni_on() { return g_vnni.load(std::memory_order_relaxed); }
 
 // request 1: multiply block passes on VNNI where the weights have records (and AMX is not in use), 0: not, -1: leave
 // as is. Returns whether VNNI is in use.
@@ -907,6 +905,55 @@ bool vnni_records(int64_t request) {
   TORCH_CHECK(request >= -1 && request <= 1, "vnni_records takes -1 (leave as is), 0 or 1, got ", request);
   if (request >= 0) g_vnni = request == 1 && vnni_supported();
   return g_vnni.load();
+}
+
+// Where both record paths serve (AMX on, VNNI on), the pass weight from which the tiles take over. A tile product
+// costs about the same for 1-8 rows of any kind, while VNNI's cost grows with the rows: three byte products per
+// weight for an exact row, one for a row on the 8-bit grid (plus the scaling both share). So short passes are cheaper
+// on VNNI (a 2-core Sapphire-Rapids-class VM: one row 8.3 ms of products against 12.2 on the tiles), long exact ones
+// on the tiles, and a draft-only row weighs less than an exact one. Weights in 1/1024 of an exact row: a pass weighs
+// 1024 per exact row plus g_light_weight per 8-bit row; 0: the tiles serve every pass. Both paths give the same
+// bits, so the choice never changes a number.
+constexpr int64_t kRowWeight = 1024;
+std::atomic<int64_t> g_tiles_from{0};
+std::atomic<int64_t> g_light_weight{kRowWeight};
+
+// Set (request >= 0) or read (-1) the pass weight from which the tiles serve and an 8-bit row's weight (both in
+// 1/1024 of an exact row). Returns [tiles_from, light_weight].
+std::vector<int64_t> tiles_from(int64_t weight, int64_t light_weight) {
+  TORCH_CHECK(weight >= -1 && light_weight >= -1, "tiles_from takes -1 (leave as is) or weights >= 0, got ", weight,
+              " and ", light_weight);
+  if (weight >= 0) g_tiles_from = weight;
+  if (light_weight >= 0) g_light_weight = light_weight;
+  return {g_tiles_from.load(), g_light_weight.load()};
+}
+
+enum class Records { kNone = 0, kVnni = 1, kTiles = 2 };
+
+// Which record path multiplies a pass of ``rows`` rows, ``light`` of them on the 8-bit grid, for weights with a
+// record layout: AMX tiles, or VNNI where the tiles are off or the pass weighs less than g_tiles_from; none (the AVX
+// kernels) where both are off.
+inline Records records_path(int64_t rows, int64_t light) {
+  const bool vnni = g_vnni.load(std::memory_order_relaxed);
+  const int64_t weight = kRowWeight * (rows - light) + g_light_weight.load(std::memory_order_relaxed) * light;
+  if (g_tiles.load(std::memory_order_relaxed) && (!vnni || weight >= g_tiles_from.load(std::memory_order_relaxed)))
+    return Records::kTiles;
+  return vnni ? Records::kVnni : Records::kNone;
+}
+
+// records_path for a pass whose 8-bit rows are flagged in ``coarse`` (or none).
+Records records_path(int64_t rows, const uint8_t* coarse) {
+  int64_t light = 0;
+  if (coarse != nullptr)
+    for (int64_t r = 0; r < rows; ++r) light += coarse[r] != 0;
+  return records_path(rows, light);
+}
+
+// records_path as an op (0: none, 1: VNNI, 2: tiles), for tests and benchmarks.
+int64_t records_path_of(int64_t rows, int64_t light) {
+  TORCH_CHECK(rows >= 1 && 0 <= light && light <= rows, "records_path needs rows >= 1 and 0 <= light <= rows, got ",
+              rows, " and ", light);
+  return static_cast<int64_t>(records_path(rows, light));
 }
 
 // y[r, e] = dot(x[r], dense[e]) for float32 rows e in [e0, e1) (a few, e.g. an adapter's low-rank factor).
@@ -995,8 +1042,9 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& qs, const at::T
   using WideLanes = std::conditional_t<q4, wide::Q41Lanes, wide::Q80Lanes>;
   const bool wide_path = by_lanes ? wide_lanes_on() : wide_rows_on();
   // The wide lane kernels take two groups per task (a last odd group takes the AVX2 one: the same numbers).
-  const bool on_tiles = tiles.has_value() && tiles_on();
-  const bool on_vnni = tiles.has_value() && !on_tiles && vnni_on();
+  // AMX tiles, or VNNI where those are off or the pass is light enough that VNNI is cheaper (the same bits)
+  const Records path = tiles.has_value() ? records_path(rows, coarse) : Records::kNone;
+  const bool on_tiles = path == Records::kTiles, on_vnni = path == Records::kVnni;
   if (on_tiles || on_vnni) {
     // AMX (or VNNI): one task per two record streams of 16 features (a last partial one keeps its first features),
     // then the float32 extra rows.
@@ -1711,6 +1759,10 @@ TORCH_LIBRARY(agent_mtp_blockq, m) {
   // has it, 0: not, -1: as is); whether the CPU has it
   m.def("vnni_records(int request=-1) -> bool", &vnni_records);
   m.def("vnni_supported() -> bool", &vnni_supported);
+  // where AMX and VNNI are both on: the pass weight from which the tiles serve (lighter passes VNNI) and an 8-bit
+  // row's weight, in 1/1024 of an exact row (>= 0 sets, -1 reads); which path a pass of rows (light: 8-bit) takes
+  m.def("tiles_from(int weight=-1, int light_weight=-1) -> int[]", &tiles_from);
+  m.def("records_path(int rows, int light=0) -> int", &records_path_of);
   m.def("low_rank_add(Tensor(a!) target, Tensor low, Tensor b_t, int[] runs) -> ()");
   // every decoder layer of a short block pass (one sequence or a batch), in place on x and the caches (see above)
   m.class_<LayerStack>("LayerStack").def(torch::init<std::vector<at::Tensor>>()).def("layers", &LayerStack::layers);
