@@ -458,15 +458,23 @@ def test_tile_rows_are_settled_once_per_process_unless_pinned(monkeypatch: pytes
         calls.append(1)
         return blockq.TileRows(5, 17)
 
-    with _amx_and_vnni(path), blockq.tiles_from(blockq.tile_rows()):  # restores the process's choice afterwards
-        monkeypatch.delenv(blockq.AMX_ROWS_ENV, raising=False)
-        monkeypatch.setattr(blockq, "_tiles_settled", [])
-        assert blockq.settle_tile_rows(measure) == blockq.TileRows(5, 17) == blockq.tile_rows()
-        assert blockq.settle_tile_rows(measure) == blockq.TileRows(5, 17) and calls == [1]  # measured once
-        monkeypatch.setattr(blockq, "_tiles_settled", [])
-        monkeypatch.setenv(blockq.AMX_ROWS_ENV, "8,20")
-        assert blockq.pinned_tile_rows() == blockq.TileRows(8, 20)
-        assert blockq.settle_tile_rows(measure) == blockq.TileRows(5, 17) and calls == [1]  # pinned: not measured
+    monkeypatch.delenv(blockq.AMX_ROWS_ENV, raising=False)
+    monkeypatch.setattr(blockq, "_tiles_settled", [])
+    monkeypatch.setattr(blockq, "_tile_rows_chosen", [blockq.TILES_EVERY_PASS])
+    try:
+        with _amx_and_vnni(path):
+            with blockq.tiles_from(blockq.TILES_NEVER):  # settled inside a block (a bench's sibling runtime)
+                assert blockq.settle_tile_rows(measure) == blockq.TileRows(5, 17)
+                assert blockq.tile_rows() == blockq.TILES_NEVER and blockq.records_path(40) == "vnni"
+            assert blockq.tile_rows() == blockq.TileRows(5, 17) and blockq.records_path(5) == "amx"  # serves after
+            assert blockq.settle_tile_rows(measure) == blockq.TileRows(5, 17) and calls == [1]  # measured once
+            monkeypatch.setattr(blockq, "_tiles_settled", [])
+            monkeypatch.setenv(blockq.AMX_ROWS_ENV, "8,20")
+            assert blockq.pinned_tile_rows() == blockq.TileRows(8, 20)
+            assert blockq.settle_tile_rows(measure) == blockq.TileRows(5, 17) and calls == [1]  # pinned: no measuring
+    finally:
+        monkeypatch.undo()
+        blockq._apply_tile_rows()  # the process's own choice back in the kernels
     for raw, expected in (("8", blockq.TileRows(8, 8)), (" 0 ", blockq.TileRows(0, 0)), ("", None)):
         monkeypatch.setenv(blockq.AMX_ROWS_ENV, raw)
         assert blockq.pinned_tile_rows() == expected

@@ -210,19 +210,29 @@ def pinned_tile_rows() -> TileRows | None:
     return TileRows(exact, int(parts[-1]))
 
 
-_tile_rows_now = [TILES_EVERY_PASS]
-"""The :class:`TileRows` the kernels hold (set only by :func:`_set_tile_rows`)."""
+_tile_rows_chosen = [TILES_EVERY_PASS]
+"""The process's choice (pinned or measured, :func:`settle_tile_rows`)."""
+_tile_rows_override: list[TileRows] = []
+"""What :func:`tiles_from` blocks set, innermost last; they win over the choice while they last."""
 
 
 def tile_rows() -> TileRows:
     """From which pass sizes the AMX tiles serve a pass where VNNI could too, as the kernels stand."""
     kernels_available()  # loading them applies a pinned choice
-    return _tile_rows_now[0]
+    return _effective_tile_rows()
 
 
-def _set_tile_rows(rows: TileRows) -> None:
-    torch.ops.agent_mtp_blockq.tiles_from(*rows.weights())
-    _tile_rows_now[0] = rows
+def _effective_tile_rows() -> TileRows:
+    return _tile_rows_override[-1] if _tile_rows_override else _tile_rows_chosen[0]
+
+
+def _apply_tile_rows() -> None:
+    torch.ops.agent_mtp_blockq.tiles_from(*_effective_tile_rows().weights())
+
+
+def _choose_tile_rows(rows: TileRows) -> None:
+    _tile_rows_chosen[0] = rows
+    _apply_tile_rows()
 
 
 def records_path(rows: int, light: int = 0) -> str:
@@ -239,12 +249,13 @@ def tiles_from(rows: TileRows) -> Iterator[None]:
     :data:`TILES_NEVER`: VNNI every pass), process-wide, for benchmarks and tests; restored after."""
     if not kernels_available():
         raise ConfigError("The block-weight kernels are not loaded in this process; there are no AMX tiles to pick.")
-    before = tile_rows()
-    _set_tile_rows(rows)
+    _tile_rows_override.append(rows)
+    _apply_tile_rows()
     try:
         yield
     finally:
-        _set_tile_rows(before)
+        _tile_rows_override.pop()  # a choice settled inside the block applies from here on
+        _apply_tile_rows()
 
 
 _tiles_settled: list[TileRows] = []
@@ -253,14 +264,15 @@ _tiles_settled: list[TileRows] = []
 def settle_tile_rows(measure: Callable[[], TileRows]) -> TileRows:
     """Where the tiles and VNNI are both on: ``measure()`` (the pass sizes from which the tiles are the faster,
     :func:`agent_mtp.engine.fast.weights.measure_tile_rows`) decides once per process, the first time a model large
-    enough to time is prepared, unless :data:`AMX_ROWS_ENV` pins them. Returns :func:`tile_rows`."""
+    enough to time is prepared, unless :data:`AMX_ROWS_ENV` pins them (a measurement inside a :func:`tiles_from` block
+    serves once the block ends). Returns the process's choice."""
     with _settle_lock:
         if not _tiles_settled:
             if pinned_tile_rows() is None and tiles_active() and torch.ops.agent_mtp_blockq.vnni_records(-1):
                 rows = measure()
-                _set_tile_rows(rows)
+                _choose_tile_rows(rows)
                 log.info("Block passes on AMX tiles from %s, shorter ones on VNNI (measured)", rows)
-            _tiles_settled.append(tile_rows())
+            _tiles_settled.append(_tile_rows_chosen[0])
         return _tiles_settled[0]
 
 
@@ -357,7 +369,8 @@ def kernels_available() -> bool:
             torch.ops.agent_mtp_blockq.avx512_forms(int(Wide.ALL if pinned is None else pinned))
             torch.ops.agent_mtp_blockq.amx_tiles(int(_switched_on(AMX_ENV)))
             torch.ops.agent_mtp_blockq.vnni_records(int(_switched_on(VNNI_ENV)))
-            _set_tile_rows(pinned_tile_rows() or TILES_EVERY_PASS)
+            _tile_rows_chosen[0] = pinned_tile_rows() or TILES_EVERY_PASS
+            _apply_tile_rows()
             return True
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             reason = f"building or loading them failed: {str(e).strip()[:500]}"
