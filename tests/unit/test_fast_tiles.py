@@ -497,3 +497,16 @@ def test_pinned_tile_rows_serve_from_the_start() -> None:
     if expected is None:
         pytest.skip("needs a CPU with both AMX-INT8 and AVX-512 VNNI")
     assert done.stdout.strip() == expected
+
+
+def test_the_tile_split_costs_least_over_every_size_so_one_noisy_sample_does_not_move_it() -> None:
+    from agent_mtp.engine.fast.weights import _best_split
+
+    sizes = (1, 2, 3, 4, 6, 8, 12, 16)
+    vnni = [7.5, 8.0, 9.2, 10.1, 13.7, 17.1, 24.0, 31.0]
+    tiles = [10.5, 7.9, 12.1, 12.8, 13.6, 14.5, 19.0, 23.0]  # a noisy win at 2 rows, a near-tie at 6
+    assert _best_split(sizes, tiles, vnni) in (6, 8)
+    tiles[4] = 14.5  # the near-tie lost: still one split, not the noisy 2
+    assert _best_split(sizes, tiles, vnni) == 8
+    assert _best_split(sizes, [t + 100 for t in tiles], vnni) == 32  # VNNI everywhere: past the largest size
+    assert _best_split(sizes, [1.0] * len(sizes), vnni) == 1  # the tiles everywhere

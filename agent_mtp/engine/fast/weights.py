@@ -262,22 +262,22 @@ TILE_ROWS_CANDIDATES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 
 
 def measure_tile_rows(linears: Sequence[PackedLinear], *, rounds: int = 2) -> blockq.TileRows:
-    """From which pass sizes the AMX tiles multiply ``linears``' blocks at least as fast as VNNI: passes of exact rows,
-    and drafted passes (one exact row, then draft-only rows on the 8-bit grid, as ``verified``'s). Each is the
-    smallest of :data:`TILE_ROWS_CANDIDATES` at which the tiles win there and at the next candidate (one noisy win
-    does not decide), twice the largest where they win at none. The two paths give the same bits, so the faster one
-    may serve each pass.
+    """From which pass sizes the AMX tiles multiply ``linears``' blocks faster than VNNI: passes of exact rows, and
+    drafted passes (one exact row, then draft-only rows on the 8-bit grid, as ``verified``'s). Every candidate of
+    :data:`TILE_ROWS_CANDIDATES` is timed on both paths, and the split kept is the one that costs least over all of
+    them (:func:`_best_split`): near the crossing the two paths differ by a few percent, less than a machine's noise
+    between samples, and a scan that stopped at the first wins moved the split between 6 and 16 rows from one
+    process to the next. The two paths give the same bits, so the faster one may serve each pass.
 
     A tile product costs about the same for 1-8 rows, VNNI's byte products grow with every row (an exact row's three
-    per weight, a draft-only row's one): on a 2-core Sapphire-Rapids-class VM VNNI was 1.5x faster at one row and still
-    at 4, the tiles 1.1x faster from 8 exact rows, and VNNI 1.4x faster at 16 drafted rows. Each round multiplies the
-    sample of :func:`_form_sample` (past every CPU cache, as in a pass) on both paths alternately; the fastest of
-    ``rounds`` counts. Run it on the thread that runs passes."""
+    per weight, a draft-only row's one): on a 2-core Sapphire-Rapids-class VM VNNI was 1.4x faster at one row, the
+    two met at 6-8 exact rows, the tiles were 1.3x faster at 16, and VNNI stayed faster for drafted passes up to 32
+    rows. Each round multiplies the sample of :func:`_form_sample` (past every CPU cache, as in a pass) on both paths
+    alternately; the fastest of ``rounds`` counts. Run it on the thread that runs passes (~1 s)."""
     chosen = _form_sample(linears)
     if not chosen:
         return blockq.TILES_EVERY_PASS
-    widest = max(TILE_ROWS_CANDIDATES)
-    inputs = _random_inputs(chosen, widest)
+    inputs = _random_inputs(chosen, max(TILE_ROWS_CANDIDATES))
 
     def timed(tiles: bool, rows: int, drafted: bool) -> float:
         coarse = [1, rows] if drafted and rows > 1 else []
@@ -290,29 +290,32 @@ def measure_tile_rows(linears: Sequence[PackedLinear], *, rounds: int = 2) -> bl
     timed(True, 1, False)  # warm-up: first-touch pages, the tile configuration
     timed(False, 1, False)
 
-    def first_win(drafted: bool) -> int:
-        wins: list[int] = []
-        for rows in TILE_ROWS_CANDIDATES[1:] if drafted else TILE_ROWS_CANDIDATES:  # a drafted pass has 2+ rows
-            on_tiles = on_vnni = math.inf
-            for _ in range(rounds):
-                on_tiles = min(on_tiles, timed(True, rows, drafted))
-                on_vnni = min(on_vnni, timed(False, rows, drafted))
-            log.debug(
-                "%s passes of %d rows: tiles %.2f ms, VNNI %.2f ms",
-                "drafted" if drafted else "exact",
-                rows,
-                1e3 * on_tiles,
-                1e3 * on_vnni,
-            )
-            wins = [*wins, rows] if on_tiles <= on_vnni else []
-            if len(wins) == 2:
-                return wins[0]
-        return wins[0] if wins else 2 * widest
+    def split(drafted: bool) -> int:
+        sizes = TILE_ROWS_CANDIDATES[1:] if drafted else TILE_ROWS_CANDIDATES  # a drafted pass has 2+ rows
+        on_tiles, on_vnni = [math.inf] * len(sizes), [math.inf] * len(sizes)
+        for _ in range(rounds):
+            for i, rows in enumerate(sizes):
+                on_tiles[i] = min(on_tiles[i], timed(True, rows, drafted))
+                on_vnni[i] = min(on_vnni[i], timed(False, rows, drafted))
+        for rows, a, b in zip(sizes, on_tiles, on_vnni, strict=True):
+            kind = "drafted" if drafted else "exact"
+            log.debug("%s passes of %d rows: tiles %.2f ms, VNNI %.2f ms", kind, rows, 1e3 * a, 1e3 * b)
+        return _best_split(sizes, on_tiles, on_vnni)
 
-    exact = first_win(drafted=False)
+    exact = split(drafted=False)
     if exact <= 1:
         return blockq.TILES_EVERY_PASS
-    return blockq.TileRows(exact, max(exact, first_win(drafted=True)))
+    return blockq.TileRows(exact, max(exact, split(drafted=True)))
+
+
+def _best_split(sizes: Sequence[int], on_tiles: Sequence[float], on_vnni: Sequence[float]) -> int:
+    """The size from which the tiles should serve (VNNI below it) that costs least summed over ``sizes``, each
+    size's times relative to its mean (so that long passes do not outweigh short ones); twice the largest size
+    where VNNI should serve all of them. Ties go to the smaller size."""
+    relative = [(t / ((t + v) / 2), v / ((t + v) / 2)) for t, v in zip(on_tiles, on_vnni, strict=True)]
+    candidates = [*sizes, 2 * max(sizes)]
+    costs = [sum(v for _, v in relative[:i]) + sum(t for t, _ in relative[i:]) for i in range(len(candidates))]
+    return candidates[costs.index(min(costs))]
 
 
 def measure_block_rows(linears: Sequence[PackedLinear], *, rounds: int = 3) -> int:
