@@ -478,7 +478,9 @@ def test_tile_rows_are_settled_once_per_process_unless_pinned(monkeypatch: pytes
     for raw, expected in (("8", blockq.TileRows(8, 8)), (" 0 ", blockq.TileRows(0, 0)), ("", None)):
         monkeypatch.setenv(blockq.AMX_ROWS_ENV, raw)
         assert blockq.pinned_tile_rows() == expected
-    for bad in ("eight", "8,", "1,2,3", "-4"):
+    monkeypatch.setenv(blockq.AMX_ROWS_ENV, "1,40")
+    assert blockq.pinned_tile_rows() == blockq.TILES_EVERY_PASS
+    for bad in ("eight", "8,", "1,2,3", "-4", "8,4"):
         monkeypatch.setenv(blockq.AMX_ROWS_ENV, bad)
         with pytest.raises(ConfigError, match=blockq.AMX_ROWS_ENV):
             blockq.pinned_tile_rows()

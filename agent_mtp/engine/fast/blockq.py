@@ -14,9 +14,11 @@ result does not depend on the rows beside it. The kernels are C++ (AVX2 + FMA, a
 bits, chosen at run time where the CPU has them) compiled once per machine into the cache directory with the system
 compiler; where that is impossible the fast runtime keeps the float32 GEMM.
 
-Where the CPU has AMX-INT8 (Sapphire Rapids and later Xeons) every block pass multiplies on the AMX tiles instead:
+Where the CPU has AMX-INT8 (Sapphire Rapids and later Xeons) block passes multiply on the AMX tiles instead:
 each row's block of inputs on a 24-bit fixed-point grid, exact integer sums against the quants, float32 scaling
-(float32-accurate, one kernel for every pass size; :data:`AMX_ENV`, :func:`amx`, docs/architecture.md).
+(float32-accurate, a row's numbers the same at every pass size; :data:`AMX_ENV`, :func:`amx`, docs/architecture.md);
+such CPUs also have AVX-512 VNNI, which computes the same bits from the same records and is the faster of the two
+for short passes, so those take VNNI (:data:`AMX_ROWS_ENV`, :func:`settle_tile_rows`).
 """
 
 from __future__ import annotations
@@ -75,8 +77,8 @@ on Zen 4 (which splits 512-bit instructions in two)."""
 
 
 AMX_ENV = "AGENT_MTP_AMX"
-"""Set to 0 to keep the AVX kernels on a CPU with AMX-INT8 (unset or 1: every block pass multiplies on AMX tiles,
-:func:`tiles_active`)."""
+"""Set to 0 to keep the AVX kernels on a CPU with AMX-INT8 (unset or 1: block passes multiply on AMX tiles, the short
+ones on VNNI where the CPU has it too, :data:`AMX_ROWS_ENV`; :func:`tiles_active`)."""
 VNNI_ENV = "AGENT_MTP_VNNI"
 """Set to 0 to keep the AVX kernels on a CPU with AVX-512 VNNI but no AMX (unset or 1: every block pass multiplies the
 tile records with VNNI's byte products, :func:`vnni_active`: the tiles' numbers)."""
@@ -206,8 +208,16 @@ def pinned_tile_rows() -> TileRows | None:
             "rows or more on the AMX tiles, shorter ones on VNNI), 8,24 (drafted passes from 24 rows), 0 (the tiles "
             "for every pass), or unset it to measure them."
         )
-    exact = int(parts[0])
-    return TileRows(exact, int(parts[-1]))
+    exact, drafted = int(parts[0]), int(parts[-1])
+    if exact <= 1:
+        return TILES_EVERY_PASS
+    if drafted < exact:
+        raise ConfigError(
+            f"{AMX_ROWS_ENV}={raw!r}: a drafted pass (M = {drafted}) cannot reach the tiles before an exact one "
+            f"(N = {exact}): its draft-only rows cost VNNI less than exact rows. Set M >= N, e.g. "
+            f"{AMX_ROWS_ENV}={exact},{max(exact, 4 * exact)}."
+        )
+    return TileRows(exact, drafted)
 
 
 _tile_rows_chosen = [TILES_EVERY_PASS]
@@ -315,8 +325,8 @@ def tiles_active() -> bool:
 
 
 def vnni_active() -> bool:
-    """Whether block passes with a tile layout multiply on AVX-512 VNNI in this process right now (AMX tiles, where
-    active, serve them instead)."""
+    """Whether every block pass with a tile layout multiplies on AVX-512 VNNI in this process right now (where AMX
+    tiles are active, VNNI serves only the short passes: :func:`records_path`)."""
     return kernels_available() and bool(torch.ops.agent_mtp_blockq.vnni_records(-1)) and not tiles_active()
 
 
