@@ -14,6 +14,13 @@ def probabilities(logits: torch.Tensor, temperature: float, top_p: float) -> tor
     return probs
 
 
+def top_probabilities(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """The largest of :func:`probabilities` in each row: [..., V] -> [...]. ``amax``, not ``max(-1).values``: on one
+    thread the latter also builds the indices and took ~250 us for three 49k-logit rows where this takes ~95 (the
+    decode loop reads a verified pass's mask confidences this way, between passes)."""
+    return probabilities(logits, temperature, top_p).amax(-1)
+
+
 def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     sorted_p, order = probs.sort(dim=-1, descending=True)
     keep_sorted = (sorted_p.cumsum(-1) - sorted_p) < top_p  # always keeps the top token

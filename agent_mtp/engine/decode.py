@@ -25,6 +25,7 @@ from agent_mtp.engine.acceptance import (
     confadapt_accept_length,
     pick,
     probabilities,
+    top_probabilities,
 )
 from agent_mtp.engine.config import DecodeConfig
 from agent_mtp.engine.constraints import TokenConstraint
@@ -289,7 +290,7 @@ def _propose_and_accept(
     else:
         assert first_logits is not None
         first_top = probabilities(first_logits, cfg.temperature, cfg.top_p).max()[None]
-        rest_top = probabilities(logits[1:], cfg.temperature, cfg.top_p).max(-1).values  # [masks]
+        rest_top = top_probabilities(logits[1:], cfg.temperature, cfg.top_p)  # [masks]
         accepted = min(confadapt_accept_length(torch.cat([first_top, rest_top]), cfg.threshold), 1 + valid)
     if constraint is not None and valid > accepted - 1:
         constraint.rollback(valid - (accepted - 1))
@@ -374,7 +375,7 @@ def _offer_mtp_draft(
     valid = _grammar_prefix(tokens, constraint)
     if constraint is not None and valid:
         constraint.rollback(valid)
-    confidences = probabilities(mask_logits[:valid], 0.0, 1.0).max(-1).values.tolist() if valid else []
+    confidences = top_probabilities(mask_logits[:valid], 0.0, 1.0).tolist() if valid else []
     state.mtp.offer(tokens[:valid], confidences)
 
 

@@ -22,7 +22,6 @@
 
 from __future__ import annotations
 
-import functools
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -211,7 +210,6 @@ class Planner:
         """``room`` = tokens left minus one."""
         assert self.curve is not None, "cost-aware verification needs a cost curve"
         self._passes += 1
-        cost = functools.cache(self.curve.cost)  # the options below ask for the same few sizes many times
         most_masks = max(self.k_cap - 1, 0)
         longest = max((min(len(c.tokens), room) for c in candidates), default=0)
         costs = _marginal(self.curve.costs(pending, longest + max(min(most_masks, room), 0) + 1))  # [i]: + i rows
@@ -243,7 +241,7 @@ class Planner:
         winner, length, masks = chosen
         draft = _prefix(winner, length) if winner is not None else None
         if self.explore_every and self._passes % self.explore_every == 0 and masks == 0:
-            masks = self._explore_masks(pending, length, room, cost)
+            masks = self._explore_masks(pending, length, room, self.curve.cost)
         return Plan(draft, masks)
 
     def _explore_masks(self, pending: int, length: int, room: int, cost: Callable[[int], float]) -> int:

@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from agent_mtp.engine.acceptance import confadapt_accept_length, expected_accepted, verify_greedy
+from agent_mtp.engine.acceptance import (
+    confadapt_accept_length,
+    expected_accepted,
+    probabilities,
+    top_probabilities,
+    verify_greedy,
+)
 from agent_mtp.engine.cost import CostCurve
 from agent_mtp.engine.drafts import Draft, NgramDraftSource, choose_draft
 from agent_mtp.engine.planner import EXPLORE_OVERHEAD, AcceptanceRates, Plan, Planner
@@ -25,6 +31,19 @@ def test_confadapt_rule():
     assert confadapt_accept_length(torch.tensor([0.5, 0.99, 0.99]), 0.9) == 1  # at least one
     assert confadapt_accept_length(torch.tensor([0.91, 0.91, 0.91]), 0.9) == 3
     assert confadapt_accept_length(torch.tensor([1.0, 1.0]), 1.01) == 1
+
+
+def test_top_probabilities_are_each_rows_largest_probability() -> None:
+    """What the decode loop reads as a mask row's confidence (ConfAdapt's test, verified's draft weights): the
+    largest tempered, nucleus-filtered probability of each row, the same values as ``probabilities(...).max(-1)``."""
+    logits = torch.randn(3, 4096, generator=torch.Generator().manual_seed(0)) * 4
+    logits[1, 7] = 40.0  # a confident row
+    for temperature, top_p in ((0.0, 1.0), (0.7, 0.9), (1.3, 1.0)):
+        expected = probabilities(logits, temperature, top_p).max(-1).values
+        got = top_probabilities(logits, temperature, top_p)
+        assert got.shape == (3,) and torch.equal(got, expected)
+    assert top_probabilities(logits, 0.0, 1.0)[1] > 0.999
+    assert top_probabilities(logits[:0], 0.0, 1.0).shape == (0,)
 
 
 def test_verify_greedy_and_expectation():
