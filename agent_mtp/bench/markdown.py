@@ -81,6 +81,26 @@ def suite_markdown(report: BenchReport, field: str, fmt: Callable[[float], str])
     return _table(("variant", *suites, "all"), rows)
 
 
+def suite_ratio_markdown(report: BenchReport, field: str, baseline: str = "ntp") -> str | None:
+    """Each variant's ``field`` per suite over the ``baseline`` variant's (the engine's own NTP: what the MTP modes
+    gain, per kind of step); None when the report has no such variant."""
+    if report.summary(baseline) is None:
+        return None
+
+    def ratio(variant: str, suite: str | None) -> str:
+        row, base = report.summary(variant, suite), report.summary(baseline, suite)
+        if row is None or base is None or not getattr(base, field):
+            return "-"
+        return _num(getattr(row, field) / getattr(base, field))
+
+    suites = list(report.suite_summaries)
+    rows = [
+        (f"`{s.variant}`", *(ratio(s.variant, suite) for suite in suites), ratio(s.variant, None))
+        for s in report.summaries
+    ]
+    return _table(("variant", *suites, "all"), rows)
+
+
 def _curves(settings: dict[str, Any]) -> str:
     curves = settings.get("cost_curves")
     if curves is None:  # reports written before runtimes existed
@@ -90,6 +110,10 @@ def _curves(settings: dict[str, Any]) -> str:
 
 def _curve(points: list[list[float]] | None) -> str:
     return "-" if not points else ", ".join(f"{int(n)}: {c:.2f}" for n, c in points)
+
+
+def _optional(title: str, table: str | None) -> list[str]:
+    return [] if table is None else [title, "", table, ""]
 
 
 def report_markdown(report: BenchReport) -> str:
@@ -134,6 +158,14 @@ def report_markdown(report: BenchReport) -> str:
         "",
         suite_markdown(report, "decode_speedup_vs_hf", _num),
         "",
+        *_optional(
+            "## Per suite: tokens/s over the engine's NTP (the prompt's prefill included)",
+            suite_ratio_markdown(report, "tokens_per_s"),
+        ),
+        *_optional(
+            "## Per suite: decode tokens/s over the engine's NTP (after the first token)",
+            suite_ratio_markdown(report, "decode_tokens_per_s"),
+        ),
         "## Per suite: task-level agreement with NTP",
         "",
         suite_markdown(report, "task_agreement", _pct),

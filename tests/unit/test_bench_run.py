@@ -23,6 +23,7 @@ from agent_mtp.bench.core import (
     variants_from_names,
 )
 from agent_mtp.bench.hf import bare_model
+from agent_mtp.bench.markdown import report_markdown, suite_ratio_markdown
 from agent_mtp.bench.plots import write_plots
 from agent_mtp.bench.suites import load_suite, parse_suite
 from agent_mtp.engine import DecodeConfig
@@ -95,6 +96,19 @@ def test_bench_runs_every_variant_and_lossless_ones_equal_ntp(engine: Any, promp
     assert after == before
     data = json.loads(json.dumps(report.to_dict(), allow_nan=False))
     assert data["settings"]["variants"] == names and len(data["runs"]) == len(report.runs)
+    # per suite over the engine's NTP (what the targets read): NTP itself 1.00 everywhere
+    ratios = suite_ratio_markdown(report, "decode_tokens_per_s")
+    assert ratios is not None
+    lines = {line.split(" | ")[0]: line.strip("| ").split(" | ")[1:] for line in ratios.splitlines()[2:]}
+    assert lines["| `ntp`"] == ["1.00"] * 4
+    chat = report.summary("verified", "chat")
+    assert chat is not None
+    expected = chat.decode_tokens_per_s / report.summary("ntp", "chat").decode_tokens_per_s  # type: ignore[union-attr]
+    assert lines["| `verified`"][list(report.suite_summaries).index("chat")] == f"{expected:.2f}"
+    without_ntp = run_bench(engine, prompts[2:], variants_from_names(["verified"], k_max=4))
+    assert suite_ratio_markdown(without_ntp, "tokens_per_s") is None
+    assert "over the engine's NTP" in report_markdown(report)
+    assert "over the engine's NTP" not in report_markdown(without_ntp)
 
 
 def test_constrained_prompts_stay_inside_the_grammar(engine: Any, prompts: list[Any]):
