@@ -762,17 +762,38 @@ inline __m512i broadcast4(const uint8_t* p) {
   return _mm512_set1_epi32(v);
 }
 
+// acc + the unsigned bytes of ``u8`` times the four signed bytes at ``p`` in every lane: vpdpbusd with its memory
+// operand broadcast ({1to16}), one instruction where a separate broadcast and product took two (GCC 12 does not fold
+// _mm512_set1_epi32 of a load into it). Only the signed operand can come from memory.
+inline __m512i dpbusd_broadcast(__m512i acc, __m512i u8, const uint8_t* p) {
+  __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(u8), "m"(*reinterpret_cast<const int32_t*>(p)));
+  return acc;
+}
+
+// acc += the block's exact sums of one row (s0 of a0, s1 / s2 of a1 / a2) scaled: tiles::scale_into's operations for
+// that row, in its order (so the same bits), while the sums are still in registers.
+template <bool kQ4>
+inline __m512 scale_row(__m512 acc, __m512i s0, __m512i s1, __m512i s2, __m512 d, __m512 m, float step, float sum) {
+  __m512 t = _mm512_cvtepi32_ps(s2);
+  t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1), _mm512_set1_ps(256.0f), t);
+  t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0), _mm512_set1_ps(65536.0f), t);
+  acc = _mm512_fmadd_ps(t, _mm512_mul_ps(d, _mm512_set1_ps(step)), acc);
+  if constexpr (kQ4) acc = _mm512_fmadd_ps(m, _mm512_set1_ps(sum), acc);
+  return acc;
+}
+
 // y[i, 0:16] (+)= rows r0 + i (i < R) of the grid against one record stream (16 features; ``keep``: the features
-// written).
+// written). Each row's sums are scaled as soon as they are made (tiles::scale_into's numbers), and a Q4_1 row's a0
+// bytes are read by the products themselves (dpbusd_broadcast): an exact row costs a block 24 products, 16
+// broadcasts and its scaling, a draft-only (8-bit) row 8 products and its scaling.
 template <bool kQ4, int R>
 inline void stream_product(const tiles::Grid& g, int64_t rows, int64_t r0, int64_t blocks, const uint8_t* rec,
                            float* y, int64_t ldy, bool add, __mmask16 keep) {
   constexpr int64_t record = kQ4 ? tiles::kQ41Record : tiles::kQ80Record;
-  alignas(64) int32_t c0[R * 16], c12[R * 32];
   __m512 acc[R];
   for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
   const __m512i low = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
-  const __m512i ones = _mm512_set1_epi8(1);
+  const __m512i ones = _mm512_set1_epi8(1), zero = _mm512_setzero_si512();
   const float* step = g.step.data() + r0 * blocks;
   const float* sum = g.sum.data() + r0 * blocks;
   for (int64_t b = 0; b < blocks; ++b) {
@@ -780,7 +801,7 @@ inline void stream_product(const tiles::Grid& g, int64_t rows, int64_t r0, int64
     for (int64_t line = 0; line < record; line += 64)
       _mm_prefetch(reinterpret_cast<const char*>(rb + tiles::kAhead * record + line), _MM_HINT_T0);
     __m512i w[8];
-    __m512i qsum = _mm512_setzero_si512();
+    __m512i qsum = zero;
     if constexpr (kQ4) {
       for (int c = 0; c < 4; ++c) {
         const __m512i v = _mm512_loadu_si512(rb + 64 * c);
@@ -793,40 +814,34 @@ inline void stream_product(const tiles::Grid& g, int64_t rows, int64_t r0, int64
         qsum = _mm512_dpbusd_epi32(qsum, ones, w[t]);
       }
     }
+    // Q4_1's d and m are float16 values (exactly: the GGUF's), widened here; Q8_0's d is stored as float32
+    const __m512 d = kQ4 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rb + 256)))
+                         : _mm512_loadu_ps(reinterpret_cast<const float*>(rb + 512));
+    const __m512 m = kQ4 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rb + 288)))
+                         : _mm512_setzero_ps();
     for (int i = 0; i < R; ++i) {
       const uint8_t* a0 = reinterpret_cast<const uint8_t*>(g.a0.data()) + (b * rows + r0 + i) * kBlock;
       const uint8_t* a1 = g.a12.data() + (b * rows + r0 + i) * 2 * kBlock;
       const uint8_t* a2 = a1 + kBlock;
-      __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512(), s2 = _mm512_setzero_si512();
-      if (g.coarse_row(r0 + i)) {  // a row on the 8-bit grid: its a1 and a2 are zero, one product per register
-#pragma GCC unroll 8
-        for (int t = 0; t < 8; ++t) {
-          if constexpr (kQ4)
-            s0 = _mm512_dpbusd_epi32(s0, w[t], broadcast4(a0 + 4 * t));
-          else
-            s0 = _mm512_dpbusd_epi32(s0, _mm512_xor_si512(broadcast4(a0 + 4 * t), flip), w[t]);
-        }
-        if constexpr (!kQ4) s0 = _mm512_sub_epi32(s0, _mm512_slli_epi32(qsum, 7));
-        _mm512_store_si512(c0 + 16 * i, s0);
-        _mm512_store_si512(c12 + 32 * i, s1);
-        _mm512_store_si512(c12 + 32 * i + 16, s2);
-        continue;
-      }
+      __m512i s0 = zero, s1 = zero, s2 = zero;
+      const bool coarse = g.coarse_row(r0 + i);  // on the 8-bit grid: a1 = a2 = 0, one product per register
 #pragma GCC unroll 8
       for (int t = 0; t < 8; ++t) {
         if constexpr (kQ4)
-          s0 = _mm512_dpbusd_epi32(s0, w[t], broadcast4(a0 + 4 * t));  // unsigned quants x signed a0
+          s0 = dpbusd_broadcast(s0, w[t], a0 + 4 * t);  // unsigned quants x signed a0
         else
           s0 = _mm512_dpbusd_epi32(s0, _mm512_xor_si512(broadcast4(a0 + 4 * t), flip), w[t]);  // (a0 + 128) x q
-        s1 = _mm512_dpbusd_epi32(s1, broadcast4(a1 + 4 * t), w[t]);
-        s2 = _mm512_dpbusd_epi32(s2, broadcast4(a2 + 4 * t), w[t]);
+      }
+      if (!coarse) {
+#pragma GCC unroll 8
+        for (int t = 0; t < 8; ++t) {
+          s1 = _mm512_dpbusd_epi32(s1, broadcast4(a1 + 4 * t), w[t]);
+          s2 = _mm512_dpbusd_epi32(s2, broadcast4(a2 + 4 * t), w[t]);
+        }
       }
       if constexpr (!kQ4) s0 = _mm512_sub_epi32(s0, _mm512_slli_epi32(qsum, 7));
-      _mm512_store_si512(c0 + 16 * i, s0);
-      _mm512_store_si512(c12 + 32 * i, s1);
-      _mm512_store_si512(c12 + 32 * i + 16, s2);
+      acc[i] = scale_row<kQ4>(acc[i], s0, s1, s2, d, m, step[i * blocks + b], sum[i * blocks + b]);
     }
-    tiles::scale_into<kQ4, R>(acc, c0, c12, rb, step + b, sum + b, blocks);
   }
   for (int i = 0; i < R; ++i) {
     float* yr = y + i * ldy;
