@@ -69,16 +69,22 @@ def quality_markdown(summaries: Sequence[VariantSummary]) -> str:
     return _table(header, rows)
 
 
-def suite_markdown(report: BenchReport, field: str, fmt: Callable[[float], str]) -> str:
+def _per_suite(report: BenchReport, cell: Callable[[str, str | None], str]) -> str:
+    """A table of ``cell(variant, suite)`` for every variant and suite, and the variant over all suites (None)."""
     suites = list(report.suite_summaries)
-    rows = []
-    for s in report.summaries:
-        cells = []
-        for suite in suites:
-            row = report.summary(s.variant, suite)
-            cells.append("-" if row is None else fmt(getattr(row, field)))
-        rows.append((f"`{s.variant}`", *cells, fmt(getattr(s, field))))
+    rows = [
+        (f"`{s.variant}`", *(cell(s.variant, suite) for suite in suites), cell(s.variant, None))
+        for s in report.summaries
+    ]
     return _table(("variant", *suites, "all"), rows)
+
+
+def suite_markdown(report: BenchReport, field: str, fmt: Callable[[float], str]) -> str:
+    def cell(variant: str, suite: str | None) -> str:
+        row = report.summary(variant, suite)
+        return "-" if row is None else fmt(getattr(row, field))
+
+    return _per_suite(report, cell)
 
 
 def suite_ratio_markdown(report: BenchReport, field: str, baseline: str = "ntp") -> str | None:
@@ -93,12 +99,7 @@ def suite_ratio_markdown(report: BenchReport, field: str, baseline: str = "ntp")
             return "-"
         return _num(getattr(row, field) / getattr(base, field))
 
-    suites = list(report.suite_summaries)
-    rows = [
-        (f"`{s.variant}`", *(ratio(s.variant, suite) for suite in suites), ratio(s.variant, None))
-        for s in report.summaries
-    ]
-    return _table(("variant", *suites, "all"), rows)
+    return _per_suite(report, ratio)
 
 
 def _curves(settings: dict[str, Any]) -> str:

@@ -604,23 +604,39 @@ inline void unpack_q4(const uint8_t* rec, uint8_t* out) {
   }
 }
 
+// A record block's scales: Q4_1's d and m are float16 values (exactly: the GGUF's), widened here; Q8_0's d is stored
+// as float32 (its m is zero).
+template <bool kQ4>
+inline __m512 record_d(const uint8_t* rec) {
+  return kQ4 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 256)))
+             : _mm512_loadu_ps(reinterpret_cast<const float*>(rec + 512));
+}
+template <bool kQ4>
+inline __m512 record_m(const uint8_t* rec) {
+  return kQ4 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 288))) : _mm512_setzero_ps();
+}
+
+// acc + one row's exact sums of a block (s0 of a0, s1 / s2 of a1 / a2) scaled as above. Both record paths scale
+// with it (AMX from the stored C tiles, VNNI from registers), so their numbers are the same bits.
+template <bool kQ4>
+inline __m512 scale_row(__m512 acc, __m512i s0, __m512i s1, __m512i s2, __m512 d, __m512 m, float step, float sum) {
+  __m512 t = _mm512_cvtepi32_ps(s2);
+  t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1), _mm512_set1_ps(256.0f), t);
+  t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0), _mm512_set1_ps(65536.0f), t);
+  acc = _mm512_fmadd_ps(t, _mm512_mul_ps(d, _mm512_set1_ps(step)), acc);
+  if constexpr (kQ4) acc = _mm512_fmadd_ps(m, _mm512_set1_ps(sum), acc);
+  return acc;
+}
+
 // acc[i] += the block's exact sums (C0 of row i at c0 + 16 i, C1 / C2 at c12 + 32 i / + 16) scaled as above.
 template <bool kQ4, int kRows>
 inline void scale_into(__m512* acc, const int32_t* c0, const int32_t* c12, const uint8_t* rec, const float* step,
                        const float* sum, int64_t blocks) {
-  // Q4_1's d and m are float16 values (exactly: the GGUF's), widened here; Q8_0's d is stored as float32
-  const __m512 d = kQ4 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 256)))
-                       : _mm512_loadu_ps(reinterpret_cast<const float*>(rec + 512));
-  const __m512 m = kQ4 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 288)))
-                       : _mm512_setzero_ps();
+  const __m512 d = record_d<kQ4>(rec), m = record_m<kQ4>(rec);
 #pragma GCC unroll 8
-  for (int i = 0; i < kRows; ++i) {
-    __m512 t = _mm512_cvtepi32_ps(_mm512_load_si512(c12 + 32 * i + 16));
-    t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c12 + 32 * i)), _mm512_set1_ps(256.0f), t);
-    t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c0 + 16 * i)), _mm512_set1_ps(65536.0f), t);
-    acc[i] = _mm512_fmadd_ps(t, _mm512_mul_ps(d, _mm512_set1_ps(step[i * blocks])), acc[i]);
-    if constexpr (kQ4) acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(sum[i * blocks]), acc[i]);
-  }
+  for (int i = 0; i < kRows; ++i)
+    acc[i] = scale_row<kQ4>(acc[i], _mm512_load_si512(c0 + 16 * i), _mm512_load_si512(c12 + 32 * i),
+                            _mm512_load_si512(c12 + 32 * i + 16), d, m, step[i * blocks], sum[i * blocks]);
 }
 
 // One block's exact sums of a record stream: C of a0 into tile C0, of a1 / a2 into C12, its quants in tile B (the
@@ -770,22 +786,10 @@ inline __m512i dpbusd_broadcast(__m512i acc, __m512i u8, const uint8_t* p) {
   return acc;
 }
 
-// acc += the block's exact sums of one row (s0 of a0, s1 / s2 of a1 / a2) scaled: tiles::scale_into's operations for
-// that row, in its order (so the same bits), while the sums are still in registers.
-template <bool kQ4>
-inline __m512 scale_row(__m512 acc, __m512i s0, __m512i s1, __m512i s2, __m512 d, __m512 m, float step, float sum) {
-  __m512 t = _mm512_cvtepi32_ps(s2);
-  t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1), _mm512_set1_ps(256.0f), t);
-  t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0), _mm512_set1_ps(65536.0f), t);
-  acc = _mm512_fmadd_ps(t, _mm512_mul_ps(d, _mm512_set1_ps(step)), acc);
-  if constexpr (kQ4) acc = _mm512_fmadd_ps(m, _mm512_set1_ps(sum), acc);
-  return acc;
-}
-
 // y[i, 0:16] (+)= rows r0 + i (i < R) of the grid against one record stream (16 features; ``keep``: the features
-// written). Each row's sums are scaled as soon as they are made (tiles::scale_into's numbers), and a Q4_1 row's a0
-// bytes are read by the products themselves (dpbusd_broadcast): an exact row costs a block 24 products, 16
-// broadcasts and its scaling, a draft-only (8-bit) row 8 products and its scaling.
+// written). Each row's sums are scaled as soon as they are made (tiles::scale_row, as the tiles scale them), and a
+// Q4_1 row's a0 bytes are read by the products themselves (dpbusd_broadcast): an exact row costs a block 24
+// products, 16 broadcasts and its scaling, a draft-only (8-bit) row 8 products and its scaling.
 template <bool kQ4, int R>
 inline void stream_product(const tiles::Grid& g, int64_t rows, int64_t r0, int64_t blocks, const uint8_t* rec,
                            float* y, int64_t ldy, bool add, __mmask16 keep) {
@@ -814,11 +818,7 @@ inline void stream_product(const tiles::Grid& g, int64_t rows, int64_t r0, int64
         qsum = _mm512_dpbusd_epi32(qsum, ones, w[t]);
       }
     }
-    // Q4_1's d and m are float16 values (exactly: the GGUF's), widened here; Q8_0's d is stored as float32
-    const __m512 d = kQ4 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rb + 256)))
-                         : _mm512_loadu_ps(reinterpret_cast<const float*>(rb + 512));
-    const __m512 m = kQ4 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rb + 288)))
-                         : _mm512_setzero_ps();
+    const __m512 d = tiles::record_d<kQ4>(rb), m = tiles::record_m<kQ4>(rb);
     for (int i = 0; i < R; ++i) {
       const uint8_t* a0 = reinterpret_cast<const uint8_t*>(g.a0.data()) + (b * rows + r0 + i) * kBlock;
       const uint8_t* a1 = g.a12.data() + (b * rows + r0 + i) * 2 * kBlock;
@@ -840,7 +840,7 @@ inline void stream_product(const tiles::Grid& g, int64_t rows, int64_t r0, int64
         }
       }
       if constexpr (!kQ4) s0 = _mm512_sub_epi32(s0, _mm512_slli_epi32(qsum, 7));
-      acc[i] = scale_row<kQ4>(acc[i], s0, s1, s2, d, m, step[i * blocks + b], sum[i * blocks + b]);
+      acc[i] = tiles::scale_row<kQ4>(acc[i], s0, s1, s2, d, m, step[i * blocks + b], sum[i * blocks + b]);
     }
   }
   for (int i = 0; i < R; ++i) {
