@@ -138,11 +138,11 @@ def test_record_switches_and_kernel_tag(path: str) -> None:
         with blockq.tiles_from(blockq.TileRows(6, 24)):
             assert blockq.kernel_tag() == "blockq8-amx"
             with blockq.vnni(True) as both:  # short passes on VNNI: a tag (cost curve) of its own
-                assert blockq.kernel_tag() == ("blockq8-vnni2-amx6-24" if both else "blockq8-amx")
+                assert blockq.kernel_tag() == ("blockq8-vnni3-amx6-24" if both else "blockq8-amx")
     else:
-        assert tag.startswith("blockq8") and tag.endswith("-vnni2")
+        assert tag.startswith("blockq8") and tag.endswith("-vnni3")
     with blockq.avx_kernels():
-        assert not blockq.records_active() and not blockq.kernel_tag().endswith(("-amx", "-vnni2"))
+        assert not blockq.records_active() and not blockq.kernel_tag().endswith(("-amx", "-vnni3"))
     assert blockq.records_active() and blockq.kernel_tag() == tag
 
 

@@ -789,7 +789,11 @@ inline __m512i dpbusd_broadcast(__m512i acc, __m512i u8, const uint8_t* p) {
 // y[i, 0:16] (+)= rows r0 + i (i < R) of the grid against one record stream (16 features; ``keep``: the features
 // written). Each row's sums are scaled as soon as they are made (tiles::scale_row, as the tiles scale them), and a
 // Q4_1 row's a0 bytes are read by the products themselves (dpbusd_broadcast): an exact row costs a block 24
-// products, 16 broadcasts and its scaling, a draft-only (8-bit) row 8 products and its scaling.
+// products, 16 broadcasts (loads) and its scaling, a draft-only (8-bit) row 8 products and its scaling. The rows are
+// unrolled and each sum is made in two registers (even and odd quant registers, added at the end: integers, so the
+// same sums) so that the products are six short chains instead of three of eight: on a 2-core Emerald Rapids VM,
+// where 512-bit products issue on two ports at a latency of ~5 cycles, 4-16-row passes took 0.88-0.94x the time of
+// the one-register chains (same bits).
 template <bool kQ4, int R>
 inline void stream_product(const tiles::Grid& g, int64_t rows, int64_t r0, int64_t blocks, const uint8_t* rec,
                            float* y, int64_t ldy, bool add, __mmask16 keep) {
@@ -819,28 +823,31 @@ inline void stream_product(const tiles::Grid& g, int64_t rows, int64_t r0, int64
       }
     }
     const __m512 d = tiles::record_d<kQ4>(rb), m = tiles::record_m<kQ4>(rb);
+#pragma GCC unroll 8
     for (int i = 0; i < R; ++i) {
       const uint8_t* a0 = reinterpret_cast<const uint8_t*>(g.a0.data()) + (b * rows + r0 + i) * kBlock;
       const uint8_t* a1 = g.a12.data() + (b * rows + r0 + i) * 2 * kBlock;
       const uint8_t* a2 = a1 + kBlock;
-      __m512i s0 = zero, s1 = zero, s2 = zero;
+      __m512i s0[2] = {zero, zero}, s1[2] = {zero, zero}, s2[2] = {zero, zero};
       const bool coarse = g.coarse_row(r0 + i);  // on the 8-bit grid: a1 = a2 = 0, one product per register
 #pragma GCC unroll 8
       for (int t = 0; t < 8; ++t) {
         if constexpr (kQ4)
-          s0 = dpbusd_broadcast(s0, w[t], a0 + 4 * t);  // unsigned quants x signed a0
-        else
-          s0 = _mm512_dpbusd_epi32(s0, _mm512_xor_si512(broadcast4(a0 + 4 * t), flip), w[t]);  // (a0 + 128) x q
+          s0[t % 2] = dpbusd_broadcast(s0[t % 2], w[t], a0 + 4 * t);  // unsigned quants x signed a0
+        else  // (a0 + 128) x q
+          s0[t % 2] = _mm512_dpbusd_epi32(s0[t % 2], _mm512_xor_si512(broadcast4(a0 + 4 * t), flip), w[t]);
       }
       if (!coarse) {
 #pragma GCC unroll 8
         for (int t = 0; t < 8; ++t) {
-          s1 = _mm512_dpbusd_epi32(s1, broadcast4(a1 + 4 * t), w[t]);
-          s2 = _mm512_dpbusd_epi32(s2, broadcast4(a2 + 4 * t), w[t]);
+          s1[t % 2] = _mm512_dpbusd_epi32(s1[t % 2], broadcast4(a1 + 4 * t), w[t]);
+          s2[t % 2] = _mm512_dpbusd_epi32(s2[t % 2], broadcast4(a2 + 4 * t), w[t]);
         }
       }
-      if constexpr (!kQ4) s0 = _mm512_sub_epi32(s0, _mm512_slli_epi32(qsum, 7));
-      acc[i] = tiles::scale_row<kQ4>(acc[i], s0, s1, s2, d, m, step[i * blocks + b], sum[i * blocks + b]);
+      __m512i c0 = _mm512_add_epi32(s0[0], s0[1]);
+      if constexpr (!kQ4) c0 = _mm512_sub_epi32(c0, _mm512_slli_epi32(qsum, 7));
+      acc[i] = tiles::scale_row<kQ4>(acc[i], c0, _mm512_add_epi32(s1[0], s1[1]), _mm512_add_epi32(s2[0], s2[1]), d, m,
+                                     step[i * blocks + b], sum[i * blocks + b]);
     }
   }
   for (int i = 0; i < R; ++i) {
