@@ -4,7 +4,8 @@ float32 GEMM and independent of the rows beside them, and the fast runtime on bl
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -749,3 +750,50 @@ def test_small_models_keep_the_default_crossover(engine: MTPEngine) -> None:
     assert fast.block_rows == blockq.MAX_ROWS  # far below the bytes worth measuring
     dense = FastModel.from_hf(engine.model, mask_token_id=engine.mask_token_id, blocks=False)
     assert dense.block_rows == 0
+
+
+def same_bits_however_the_threads_split(compute: Callable[[], torch.Tensor]) -> None:
+    """``compute()`` on 1, 2 and 3 torch threads, and on 2 while another thread keeps a core busy (so the kernels'
+    threads take each other's tasks at varying points), gives the same bits every time."""
+    before = torch.get_num_threads()
+    stop = threading.Event()
+
+    def neighbour() -> None:
+        while not stop.is_set():
+            sum(range(20_000))  # holds the GIL and a core in slices, as a server's Python does
+
+    try:
+        torch.set_num_threads(1)
+        reference = compute()
+        for threads in (2, 3):
+            torch.set_num_threads(threads)
+            assert torch.equal(compute(), reference), threads
+        busy = threading.Thread(target=neighbour, daemon=True)
+        busy.start()
+        torch.set_num_threads(2)
+        assert all(torch.equal(compute(), reference) for _ in range(20))
+    finally:
+        stop.set()
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_products_do_not_depend_on_how_the_threads_split_the_tasks(kind: str) -> None:
+    blocks = blockq.block_weights({"q4_1": q4_1, "q8_0": q8_0}[kind](torch.randn(520, 256)))
+    assert blocks is not None
+    for rows in (1, 3, 9):  # row kernels, lane kernels
+        x = torch.randn(rows, 256)
+        same_bits_however_the_threads_split(lambda x=x: blocks(x))
+
+
+def test_attention_does_not_depend_on_how_the_threads_split_the_tasks() -> None:
+    heads, kv_heads, d, start, n = 9, 3, 64, 300, 5
+    width = (heads + 2 * kv_heads) * d
+    qkv, rope, history = torch.randn(n, width), _rope(n, d, seed=4), torch.randn(2, kv_heads, start + n, d)
+
+    def attend() -> torch.Tensor:
+        return torch.ops.agent_mtp_blockq.attend(
+            qkv.clone(), rope, [history.clone()], [start], [n], heads, kv_heads, d, d**-0.5
+        )
+
+    same_bits_however_the_threads_split(attend)

@@ -18,7 +18,14 @@ import torch.nn.functional as F
 
 from agent_mtp.engine import MTPEngine
 from agent_mtp.engine.fast import FastModel, blockq
-from tests.unit.test_fast_blockq import _engine, assert_greedy_equals_hf, batched_against_single, q4_1, q8_0
+from tests.unit.test_fast_blockq import (
+    _engine,
+    assert_greedy_equals_hf,
+    batched_against_single,
+    q4_1,
+    q8_0,
+    same_bits_however_the_threads_split,
+)
 from tests.unit.test_fast_runtime import _random_ids
 
 pytestmark = pytest.mark.skipif(
@@ -512,3 +519,12 @@ def test_the_tile_split_costs_least_over_every_size_so_one_noisy_sample_does_not
     assert _best_split(sizes, tiles, vnni) == 8
     assert _best_split(sizes, [t + 100 for t in tiles], vnni) == 32  # VNNI everywhere: past the largest size
     assert _best_split(sizes, [1.0] * len(sizes), vnni) == 1  # the tiles everywhere
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_record_products_do_not_depend_on_how_the_threads_split_the_tasks(kind: str) -> None:
+    _, blocks = _blocks(kind, 520, 256)
+    for rows in (1, 5, 12):
+        x = torch.randn(rows, 256)
+        same_bits_however_the_threads_split(lambda x=x: blocks(x))
+        same_bits_however_the_threads_split(lambda x=x, half=rows // 2: blocks(x, coarse=[0, half]))

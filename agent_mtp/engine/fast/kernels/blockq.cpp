@@ -53,6 +53,52 @@ inline float lane_sum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+
+// A thread's share of shared_for's tasks, [lo, hi) packed in one word: its owner takes chunks from the front, a
+// thread that has finished its own takes from the back.
+struct alignas(64) Share {
+  std::atomic<uint64_t> span{0};
+  static uint64_t pack(int64_t lo, int64_t hi) { return static_cast<uint64_t>(hi) << 32 | static_cast<uint64_t>(lo); }
+  // [begin, end) taken from the front (owner: a quarter of what is left) or the back (thief: half); false when empty
+  bool take(bool front, int64_t& begin, int64_t& end) {
+    uint64_t seen = span.load(std::memory_order_relaxed);
+    for (;;) {
+      const int64_t lo = static_cast<int64_t>(seen & 0xFFFFFFFFu), hi = static_cast<int64_t>(seen >> 32);
+      if (lo >= hi) return false;
+      const int64_t count = std::max<int64_t>(1, (hi - lo) / (front ? 4 : 2));
+      begin = front ? lo : hi - count;
+      end = front ? lo + count : hi;
+      if (span.compare_exchange_weak(seen, front ? pack(end, hi) : pack(lo, begin), std::memory_order_relaxed))
+        return true;
+    }
+  }
+};
+
+// body(begin, end, state) over the tasks [0, tasks) on torch's threads. Each thread starts on its contiguous share,
+// as a static split would (its prefetches run on into its next task), and a thread that finishes early takes the
+// rest of another's share from its end: a thread slowed by anything else on its core (a server's Python, another
+// process) hands its work over instead of holding every thread at the region's end. Each task is computed whole by
+// one thread, so no number depends on which thread takes it. ``State`` is per-thread scratch handed to each chunk
+// the thread takes; ``done(state)`` runs once per thread at the end.
+template <class State, class Body, class Done>
+void shared_for(int64_t tasks, Body&& body, Done&& done) {
+  if (tasks <= 0) return;
+  TORCH_CHECK(tasks < (int64_t{1} << 31), "shared_for takes fewer than 2^31 tasks, got ", tasks);
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), tasks);
+  std::vector<Share> shares(static_cast<size_t>(threads));
+  for (int64_t t = 0; t < threads; ++t)
+    shares[t].span.store(Share::pack(tasks * t / threads, tasks * (t + 1) / threads), std::memory_order_relaxed);
+  at::parallel_for(0, threads, 1, [&](int64_t me, int64_t) {
+    State state{};
+    int64_t begin = 0, end = 0;
+    for (int64_t k = 0; k < threads; ++k) {
+      Share& share = shares[(me + k) % threads];
+      while (share.take(k == 0, begin, end)) body(begin, end, state);
+    }
+    done(state);
+  });
+}
+
 void check_inputs(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale, int64_t bytes_per_block) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.device().is_cpu(),
               "x must be a contiguous 2-D float32 CPU tensor");
@@ -1086,8 +1132,7 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& qs, const at::T
     const int64_t dense_tasks = (extra + kGroup - 1) / kGroup, early = dense_tasks / 2;
     // The float32 extra rows' tasks are slower per output: half come first and half last, so that the threads'
     // contiguous shares of the range stay even.
-    at::parallel_for(0, pairs + dense_tasks, 1, [&](int64_t begin, int64_t end) {
-      int configured = 0;
+    shared_for<int>(pairs + dense_tasks, [&](int64_t begin, int64_t end, int& configured) {
       for (int64_t slot = begin; slot < end; ++slot) {
         const bool dense_task = slot < early || slot >= early + pairs;
         const int64_t task = dense_task ? (slot < early ? slot : slot - pairs) : slot - early;
@@ -1104,6 +1149,7 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& qs, const at::T
           tiles::records_product<q4>(grid, rows, blocks, streams, blocks * record, op + f0, ldo, add, features,
                                      configured);
       }
+    }, [](int configured) {
       if (configured != 0) tiles::release();
     });
     return y;
@@ -1113,7 +1159,7 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& qs, const at::T
   const int64_t dense_tasks = (extra + kGroup - 1) / kGroup, early = dense_tasks / 2;
   // As on the records' path: the float32 extra rows' tasks (~5x a block task's bytes) half first and half last, so
   // that the threads' contiguous shares stay even.
-  at::parallel_for(0, block_tasks + dense_tasks, 1, [&](int64_t begin, int64_t end) {
+  shared_for<int>(block_tasks + dense_tasks, [&](int64_t begin, int64_t end, int&) {
     for (int64_t slot = begin; slot < end; ++slot) {
       if (slot < early || slot >= early + block_tasks) {
         const int64_t e0 = (slot < early ? slot : slot - block_tasks) * kGroup;
@@ -1158,7 +1204,7 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& qs, const at::T
           break;
       }
     }
-  });
+  }, [](int) {});
   return y;
 }
 
@@ -1556,10 +1602,8 @@ at::Tensor attend_pairs(const at::Tensor& qkv, const at::Tensor& pairs, at::Tens
     }
   const int64_t max_count = *std::max_element(starts.begin(), starts.end()) + n;
   const int64_t tasks = static_cast<int64_t>(chunk_row.size()) * num_heads;
-  // under ~64k multiply-adds the whole call stays on this thread
-  const int64_t grain = work < (1 << 16) ? tasks : 1;
-  at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch(static_cast<size_t>(kRowsPerTask * (max_count + 8 + d)));
+  const auto attend_tasks = [&](int64_t begin, int64_t end, std::vector<float>& scratch) {
+    scratch.resize(static_cast<size_t>(kRowsPerTask * (max_count + 8 + d)));
     for (int64_t t = begin; t < end; ++t) {
       const int64_t chunk = t / num_heads, head = t % num_heads, s = chunk_segment[chunk], r = chunk_row[chunk];
       const int64_t count = std::min(kRowsPerTask, first_row[s + 1] - r);
@@ -1569,7 +1613,13 @@ at::Tensor attend_pairs(const at::Tensor& qkv, const at::Tensor& pairs, at::Tens
                   starts[s] + (r - first_row[s]), d, static_cast<float>(scale), op + r * q_dim + head * d, q_dim,
                   scratch.data());
     }
-  });
+  };
+  if (work < (1 << 16)) {  // under ~64k multiply-adds the whole call stays on this thread
+    std::vector<float> scratch;
+    attend_tasks(0, tasks, scratch);
+  } else {
+    shared_for<std::vector<float>>(tasks, attend_tasks, [](const std::vector<float>&) {});
+  }
   return out;
 }
 
