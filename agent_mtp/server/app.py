@@ -100,7 +100,12 @@ def health_body(serving: ChatServing, settings: ServerSettings) -> dict[str, Any
     scheduler = getattr(serving.service.decoder, "scheduler", None)
     if scheduler is not None:
         stats = scheduler.stats()
-        body["batching"] = {"passes": stats.passes, "mean_batch": round(stats.mean_batch, 3)}
+        body["batching"] = {
+            "passes": stats.passes,
+            "mean_batch": round(stats.mean_batch, 3),
+            "rows": stats.rows,
+            "mean_rows": round(stats.rows / stats.passes, 3) if stats.passes else 0.0,
+        }
     return body
 
 

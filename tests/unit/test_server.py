@@ -74,6 +74,11 @@ def test_health_and_models(client: TestClient) -> None:
     assert health["status"] == "ok" and health["active"] == 0
     models = client.get("/v1/models").json()
     assert models["object"] == "list" and models["data"][0]["id"] == "tiny"
+    assert health["batching"] == {"passes": 0, "mean_batch": 0.0, "rows": 0, "mean_rows": 0.0}
+    client.post("/v1/chat/completions", json=_body())
+    batching = client.get("/health").json()["batching"]
+    assert batching["passes"] > 0 and batching["rows"] >= batching["passes"]
+    assert batching["mean_rows"] == round(batching["rows"] / batching["passes"], 3)
 
 
 def test_completion_has_openai_shape_usage_and_mtp_stats(client: TestClient, engine: MTPEngine) -> None:
