@@ -797,3 +797,24 @@ def test_attention_does_not_depend_on_how_the_threads_split_the_tasks() -> None:
         )
 
     same_bits_however_the_threads_split(attend)
+
+
+def test_silu_mul_matches_torch_within_a_few_ulps() -> None:
+    """The MLP's activation in one kernel call: silu(gate) * up, close to torch's silu and mul_ (its exp is the
+    attention's polynomial), also where e^-x under- or overflows, and NaN stays NaN."""
+    inter = 48
+    gate_up = torch.randn(5, 2 * inter + 8) * 6  # a row stride wider than 2 * inter, as with adapter columns
+    gate_up[0, :6] = torch.tensor([0.0, -0.0, 90.0, -90.0, 200.0, -200.0])
+    gate_up[1, 0] = float("nan")
+    got = torch.ops.agent_mtp_blockq.silu_mul(gate_up, inter)
+    want = F.silu(gate_up[:, :inter]) * gate_up[:, inter : 2 * inter]
+    assert got.shape == (5, inter) and got.is_contiguous()
+    assert torch.isnan(got[1, 0]) and torch.isnan(want[1, 0])
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-30, equal_nan=True)
+
+
+def test_silu_mul_rejects_bad_shapes_with_a_message() -> None:
+    with pytest.raises(RuntimeError, match="inter % 8 == 0"):
+        torch.ops.agent_mtp_blockq.silu_mul(torch.randn(2, 20), 10)
+    with pytest.raises(RuntimeError, match="silu_mul needs"):
+        torch.ops.agent_mtp_blockq.silu_mul(torch.randn(2, 8), 8)

@@ -216,6 +216,7 @@ class FastModel:
         """Passes of up to this many rows read the quantization blocks (0: none are kept), longer ones the float32
         GEMM: pinned by ``AGENT_MTP_BLOCK_ROWS``, else measured here for models past the CPU caches."""
         self._attend_kernel = self.head_dim % 8 == 0 and blockq.enabled() and blockq.kernels_available()
+        self._silu_kernel = all(layer.inter % 8 == 0 for layer in self.layers) and self._attend_kernel
         """Whether short passes attend with the C++ kernel (RoPE, cache write and attention of every sequence in one
         call per layer) instead of ATen's bmm / softmax / bmm per sequence."""
         self._rotary = decoder.rotary_emb
@@ -413,8 +414,11 @@ class FastModel:
             attended = parts[0] if len(parts) == 1 else torch.cat(parts)  # [N, q]
         layer.o.add_into(x, attended, rows, coarse)
         gate_up = layer.gate_up(x, rows, norm=(layer.post_norm, self.eps), coarse=coarse)  # [N, 2 I] of rms_norm(x)
-        act = F.silu(gate_up[:, : layer.inter])
-        act.mul_(gate_up[:, layer.inter :])
+        if self._silu_kernel:  # the fused pass's op, so both give the same bits
+            act = torch.ops.agent_mtp_blockq.silu_mul(gate_up, layer.inter)
+        else:
+            act = F.silu(gate_up[:, : layer.inter])
+            act.mul_(gate_up[:, layer.inter :])
         layer.down.add_into(x, act, rows, coarse)
 
     def _fused_layers(

@@ -21,7 +21,6 @@
 // rebuilt, and both paths give the same numbers, whatever the pass size.
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/silu.h>
 #include <ATen/ops/view_as_real.h>
 #include <cpuid.h>
 #include <immintrin.h>
@@ -1288,6 +1287,38 @@ inline __m256 exp_nonpositive(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
 }
 
+// e^x for x clamped to [-87, 88] (e^88 ~ 1.7e38 stays finite), as exp_nonpositive.
+inline __m256 exp_clamped(__m256 x) {
+  return exp_nonpositive(_mm256_min_ps(x, _mm256_set1_ps(88.0f)));
+}
+
+// act[r, i] = silu(gate_up[r, i]) * gate_up[r, inter + i] for a Llama MLP: x / (1 + e^-x) (IEEE division), then the
+// product, in the order of torch's silu and mul_. One call per layer: ATen's silu on the slice and its mul_ cost
+// ~10-20 us of dispatch and iterator set-up per layer on a one-row pass for 1536 elements (one-token passes took
+// 0.96x the time with this call, paired in one process, Emerald Rapids VM). e^-x is the attention's polynomial (relative error < 2e-7; torch's Sleef exp: 1 ulp), so the result is
+// within a few ulps of torch's.
+at::Tensor silu_mul(const at::Tensor& gate_up, int64_t inter) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.scalar_type() == at::kFloat && gate_up.stride(1) == 1 &&
+                  gate_up.size(1) >= 2 * inter && inter % 8 == 0 && inter > 0,
+              "silu_mul needs a float32 [rows, >= 2 * inter] tensor with unit column stride and inter % 8 == 0, got ",
+              gate_up.sizes(), " and inter ", inter);
+  const int64_t rows = gate_up.size(0), ld = gate_up.stride(0);
+  at::Tensor act = at::empty({rows, inter}, gate_up.options());
+  const float* g = gate_up.data_ptr<float>();
+  float* a = act.data_ptr<float>();
+  const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* gr = g + r * ld;
+    float* ar = a + r * inter;
+    for (int64_t i = 0; i < inter; i += 8) {
+      const __m256 x = _mm256_loadu_ps(gr + i);
+      const __m256 silu = _mm256_div_ps(x, _mm256_add_ps(one, exp_clamped(_mm256_xor_ps(x, sign))));
+      _mm256_storeu_ps(ar + i, _mm256_mul_ps(silu, _mm256_loadu_ps(gr + inter + i)));
+    }
+  }
+  return act;
+}
+
 // The 8 lanes of v summed as ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)), the order sum8 gives every lane.
 inline float pair_sum(__m256 v) {
   const __m256 h = _mm256_hadd_ps(v, v);  // [l0+l1, l2+l3, ., . | l4+l5, l6+l7, ., .]
@@ -1803,8 +1834,7 @@ void decode_layers(at::Tensor x, const c10::intrusive_ptr<LayerStack>& stack, at
                                                             masked ? o[17] : none, std::nullopt, o[13], eps, o[19],
                                                             o[28], coarse);
     const at::Tensor gate_up = with_delta(gu_all, 2 * inter, w[18], mask_runs);
-    at::Tensor act = at::silu(gate_up.slice(1, 0, inter));
-    act.mul_(gate_up.slice(1, inter, 2 * inter));
+    const at::Tensor act = silu_mul(gate_up, inter);
     const at::Tensor low_d = grouped_linear<Q41, Q41Lanes>(act, w[20], w[21], w[22].data_ptr<float>(), 16,
                                                            masked ? o[23] : none, x, std::nullopt, eps, o[25], o[29],
                                                            coarse);
@@ -1841,6 +1871,8 @@ TORCH_LIBRARY(agent_mtp_blockq, m) {
   m.def("tiles_from(int weight=-1, int light_weight=-1) -> int[]", &tiles_from);
   m.def("records_path(int rows, int light=0) -> int", &records_path_of);
   m.def("low_rank_add(Tensor(a!) target, Tensor low, Tensor b_t, int[] runs) -> ()");
+  // silu(gate_up[:, :inter]) * gate_up[:, inter:2 inter] (a Llama MLP's activation) in one call
+  m.def("silu_mul(Tensor gate_up, int inter) -> Tensor");
   // every decoder layer of a short block pass (one sequence or a batch), in place on x and the caches (see above)
   m.class_<LayerStack>("LayerStack").def(torch::init<std::vector<at::Tensor>>()).def("layers", &LayerStack::layers);
   m.def(
@@ -1857,6 +1889,7 @@ TORCH_LIBRARY_IMPL(agent_mtp_blockq, CPU, m) {
   m.impl("decode_layers", &decode_layers);
   m.impl("attend", &attend);
   m.impl("low_rank_add", &low_rank_add);
+  m.impl("silu_mul", &silu_mul);
   m.impl("q4_1_linear", &q4_1_linear);
   m.impl("q8_0_linear", &q8_0_linear);
 }
