@@ -581,9 +581,12 @@ struct Grid {
 // sum of 32 floats as ((v0 + v1) lane sums, reduced in a fixed order).
 inline float block_sum(__m512 v0, __m512 v1) { return _mm512_reduce_add_ps(_mm512_add_ps(v0, v1)); }
 
-Grid on_grid(const float* x, int64_t rows, int64_t k, const uint8_t* coarse = nullptr) {
+// The grid is built in storage this thread keeps from call to call (a pass makes ~120 grids: four fresh vectors
+// each cost ~2 us a call), so it serves until this thread's next on_grid.
+const Grid& on_grid(const float* x, int64_t rows, int64_t k, const uint8_t* coarse = nullptr) {
   const int64_t blocks = k / kBlock;
-  Grid g;
+  static thread_local Grid storage;
+  Grid& g = storage;  // a local name: the threads of the parallel_for below must write the caller's grid, not theirs
   g.coarse = coarse;  // the caller's flags, alive for the product's call
   g.a0.resize(static_cast<size_t>(blocks * rows * kBlock));
   g.a12.resize(static_cast<size_t>(blocks * rows * 2 * kBlock));
@@ -1047,15 +1050,18 @@ void dense_rows(const float* x, int64_t rows, int64_t k, const float* dense, int
 }
 
 // h = rms_norm(x) * weight, row by row: (x * (1 / sqrt(mean(x^2) + eps))) * weight, as torch's rms_norm orders it.
-at::Tensor rms_normed(const at::Tensor& x, const at::Tensor& weight, double eps) {
+// Into storage this thread keeps from call to call (as on_grid's), valid until its next call.
+const float* rms_normed(const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.numel() == x.size(1),
               "norm weight must be a contiguous float32 [in_features] tensor");
   const int64_t rows = x.size(0), k = x.size(1);
-  at::Tensor h = at::empty({rows, k}, x.options());
+  static thread_local std::vector<float> h;
+  h.resize(static_cast<size_t>(rows * k));
   const float* w = weight.data_ptr<float>();
+  const float* xp = x.data_ptr<float>();
   for (int64_t r = 0; r < rows; ++r) {
-    const float* xr = x.data_ptr<float>() + r * k;
-    float* hr = h.data_ptr<float>() + r * k;
+    const float* xr = xp + r * k;
+    float* hr = h.data() + r * k;
     __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
     for (int64_t i = 0; i < k; i += 16) {
       const __m256 a = _mm256_loadu_ps(xr + i), b = _mm256_loadu_ps(xr + i + 8);
@@ -1067,7 +1073,7 @@ at::Tensor rms_normed(const at::Tensor& x, const at::Tensor& weight, double eps)
     for (int64_t i = 0; i < k; i += 8)
       _mm256_storeu_ps(hr + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(xr + i), inv), _mm256_loadu_ps(w + i)));
   }
-  return h;
+  return h.data();
 }
 
 // y = x [W; dense]^T: the block-quantized W (groups of 8 features), then the optional float32 rows ``dense``.
@@ -1080,7 +1086,7 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& qs, const at::T
                           const std::optional<at::Tensor>& tiles = std::nullopt, const uint8_t* coarse = nullptr) {
   const int64_t rows = x.size(0), k = x.size(1), blocks = k / kBlock;
   // With a norm weight, the rows multiplied are rms_norm(x) * norm (one call instead of a norm op and a product).
-  const at::Tensor input = norm.has_value() ? rms_normed(x, *norm, eps) : x;
+  const float* xp = norm.has_value() ? rms_normed(x, *norm, eps) : x.data_ptr<float>();
   const int64_t out_features = scale.numel() / blocks;
   const int64_t extra = dense.has_value() ? dense->size(0) : 0;
   if (extra > 0)
@@ -1095,7 +1101,6 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& qs, const at::T
   // With a residual, the block rows' products are added into it and y holds only the extra rows' products.
   const int64_t width = add ? extra : out_features + extra;
   at::Tensor y = at::empty({rows, width}, x.options());
-  const float* xp = input.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   float* op = add ? residual->data_ptr<float>() : yp;
   const int64_t ldo = add ? residual->stride(0) : width;
@@ -1125,7 +1130,7 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& qs, const at::T
     TORCH_CHECK(tiles->scalar_type() == at::kByte && tiles->is_contiguous() &&
                     tiles->numel() == records * blocks * record,
                 "tiles must be a contiguous uint8 [ceil(out / 16), in / 32 * ", record, "] tensor");
-    const tiles::Grid grid = tiles::on_grid(xp, rows, k, coarse);
+    const tiles::Grid& grid = tiles::on_grid(xp, rows, k, coarse);
     const uint8_t* tp = tiles->data_ptr<uint8_t>();
     const int64_t pairs = (records + 1) / 2;  // a task multiplies two record streams (32 features)
     const int64_t dense_tasks = (extra + kGroup - 1) / kGroup, early = dense_tasks / 2;
