@@ -512,10 +512,11 @@ def _rope(n: int, d: int, seed: int) -> torch.Tensor:
     return torch.polar(torch.ones_like(angles), angles)
 
 
-@pytest.mark.parametrize(("heads", "kv_heads", "d"), [(9, 3, 64), (4, 4, 24), (4, 2, 128)])
+@pytest.mark.parametrize(("heads", "kv_heads", "d"), [(9, 3, 64), (4, 4, 24), (4, 2, 128), (16, 1, 32), (14, 2, 64)])
 def test_attention_kernel_matches_torch_for_every_sequence_of_a_pass(heads: int, kv_heads: int, d: int) -> None:
     """One call per layer for a whole batch: sequences with different cache lengths and row counts (one long enough
-    to run on several threads), each row attending causally to its own cache."""
+    to run on several threads), each row attending causally to its own cache. A task takes the query heads of a
+    key / value head together: 3, 1, 2 of them, 16 (more than a task's 12 pairs: sets of 8) and 7."""
     starts, rows = [0, 5, 37, 700], [3, 1, 6, 2]  # 6 rows: two tasks of one head; 700: many key chunks
     width = (heads + 2 * kv_heads) * d
     qkv = torch.randn(sum(rows), width + 8)[:, :width]  # a row stride wider than the row, as with adapter columns

@@ -1435,8 +1435,12 @@ float exp_scores(float* scores, int64_t count, float top) {
 // Keys (and values) per chunk: 64 rows of a 64-dimension head are 16 KB each, so a chunk read for a pass's first row
 // is still in L1 for its other rows.
 constexpr int64_t kKeyChunk = 64;
-// Rows of one sequence and head per task: enough to share each chunk, few enough to split a pass over the threads.
+// Rows of one sequence per task: enough to share each chunk, few enough to split a pass over the threads.
 constexpr int64_t kRowsPerTask = 4;
+// (row, head) pairs per task at most: the query heads that share a key / value head go in one task, so that each key
+// and value chunk is read from memory once for all of them (grouped-query attention: 3 query heads per key head in
+// the default model) and not once per query head.
+constexpr int64_t kPairsPerTask = 12;
 
 // AVX-512 forms of the multi-row loops, bit for bit the AVX2 ones: two rows' scores in the two halves of a register
 // (the same multiply-adds and the same pairwise sums per half), and one load of a value row for up to 4 rows.
@@ -1518,57 +1522,55 @@ void weighted_common(int64_t n, const float* const* p, const float* values, int6
 }  // namespace wide
 #pragma GCC pop_options
 
-// Causal softmax attention of rows i < n of one head: query q + i * ldq attends keys / values [0, first + i] and
-// writes out + i * ldo. Key chunks outer, rows inner: each chunk is read from memory once for all n rows, while every
-// row's result is the same sequence of operations as if it ran alone (with AVX-512, rows share registers too).
-// ``scratch``: n * (first + n + 8) + n * d floats.
-void attend_rows(const float* q, int64_t ldq, int64_t n, const float* keys, const float* values, int64_t first,
-                 int64_t d, float scale, float* out, int64_t ldo, float* scratch) {
-  const int64_t stride = first + n + 8;
+// Causal softmax attention of n (row, head) pairs sharing one key / value head: query q[i] attends keys / values
+// [0, count[i]) and writes out[i]. Key chunks outer, pairs inner: each chunk is read from memory once for all n pairs
+// (a sequence's rows, and the query heads of a group), while every pair's result is the same sequence of operations
+// as if it ran alone (with AVX-512, pairs share registers too). ``scratch``: n * (max count + 8) + n * d floats.
+void attend_rows(const float* const* q, const int64_t* count, int64_t n, const float* keys, const float* values,
+                 int64_t d, float scale, float* const* out, float* scratch) {
+  const int64_t longest = *std::max_element(count, count + n), shortest = *std::min_element(count, count + n);
+  const int64_t stride = longest + 8;
   const bool wide_rows = n > 1 && wide_rows_on();
   float* acc = scratch + n * stride;
-  ScoreMax tops[kRowsPerTask];
-  for (int64_t j0 = 0; j0 < first + n; j0 += kKeyChunk) {
+  ScoreMax tops[kPairsPerTask];
+  for (int64_t j0 = 0; j0 < longest; j0 += kKeyChunk) {
     int64_t i = 0;
-    for (; wide_rows && i + 1 < n; i += 2) {  // rows i and i + 1: whole blocks of both together, the rest alone
-      const int64_t count = first + i + 1, both = std::max(j0, std::min(j0 + kKeyChunk, count / 8 * 8));
+    for (; wide_rows && i + 1 < n; i += 2) {  // pairs i and i + 1: whole blocks of both together, the rest alone
+      const int64_t both = std::max(j0, std::min(j0 + kKeyChunk, std::min(count[i], count[i + 1]) / 8 * 8));
       float* sa = scratch + i * stride;
-      wide::dot_pair(q + i * ldq, q + (i + 1) * ldq, keys, j0, both, d, scale, sa, sa + stride, tops[i], tops[i + 1]);
+      wide::dot_pair(q[i], q[i + 1], keys, j0, both, d, scale, sa, sa + stride, tops[i], tops[i + 1]);
       for (int64_t r = i; r < i + 2; ++r) {
-        const int64_t end = std::min(j0 + kKeyChunk, first + r + 1);
-        if (both < end)
-          dot_scores(q + r * ldq, keys, both, end, (first + r + 1) / 8 * 8, d, scale, scratch + r * stride, tops[r]);
+        const int64_t end = std::min(j0 + kKeyChunk, count[r]);
+        if (both < end) dot_scores(q[r], keys, both, end, count[r] / 8 * 8, d, scale, scratch + r * stride, tops[r]);
       }
     }
-    for (; i < n; ++i) {
-      const int64_t count = first + i + 1;
-      if (j0 < count)
-        dot_scores(q + i * ldq, keys, j0, std::min(j0 + kKeyChunk, count), count / 8 * 8, d, scale,
+    for (; i < n; ++i)
+      if (j0 < count[i])
+        dot_scores(q[i], keys, j0, std::min(j0 + kKeyChunk, count[i]), count[i] / 8 * 8, d, scale,
                    scratch + i * stride, tops[i]);
-    }
   }
-  float inv[kRowsPerTask];
-  const float* p[kRowsPerTask];
-  float* a[kRowsPerTask];
+  float inv[kPairsPerTask];
+  const float* p[kPairsPerTask];
+  float* a[kPairsPerTask];
   for (int64_t i = 0; i < n; ++i) {
-    inv[i] = exp_scores(scratch + i * stride, first + i + 1, tops[i].value());
+    inv[i] = exp_scores(scratch + i * stride, count[i], tops[i].value());
     p[i] = scratch + i * stride;
     a[i] = acc + i * d;
     std::fill_n(a[i], d, 0.0f);
   }
-  for (int64_t j0 = 0; j0 < first + n; j0 += kKeyChunk) {
-    // keys every row attends (below first + 1) for all rows at once, then each row's own last keys
-    const int64_t common = wide_rows && d % 64 == 0 ? std::max(j0, std::min(j0 + kKeyChunk, first + 1)) : j0;
-    if (common > j0) wide::weighted_common(n, p, values, j0, common, d, a);
+  for (int64_t j0 = 0; j0 < longest; j0 += kKeyChunk) {
+    // keys every pair attends, for up to 4 pairs at once, then each pair's own last keys
+    const int64_t common = wide_rows && d % 64 == 0 ? std::max(j0, std::min(j0 + kKeyChunk, shortest)) : j0;
+    if (common > j0)
+      for (int64_t i = 0; i < n; i += 4) wide::weighted_common(std::min<int64_t>(4, n - i), p + i, values, j0, common, d, a + i);
     for (int64_t i = 0; i < n; ++i) {
-      const int64_t end = std::min(j0 + kKeyChunk, first + i + 1);
+      const int64_t end = std::min(j0 + kKeyChunk, count[i]);
       if (common < end) weighted_range(p[i], values, common, end, d, a[i]);
     }
   }
   for (int64_t i = 0; i < n; ++i) {
     const __m256 vinv = _mm256_set1_ps(inv[i]);
-    for (int64_t c = 0; c < d; c += 8)
-      _mm256_storeu_ps(out + i * ldo + c, _mm256_mul_ps(_mm256_loadu_ps(a[i] + c), vinv));
+    for (int64_t c = 0; c < d; c += 8) _mm256_storeu_ps(out[i] + c, _mm256_mul_ps(_mm256_loadu_ps(a[i] + c), vinv));
   }
 }
 
@@ -1629,25 +1631,40 @@ at::Tensor attend_pairs(const at::Tensor& qkv, const at::Tensor& pairs, at::Tens
   }
   at::Tensor out = at::empty({n, q_dim}, qkv.options());
   float* op = out.data_ptr<float>();
-  // a task is (sequence, up to kRowsPerTask of its rows, head); chunks of a sequence's rows in order
+  // A task is (sequence, a chunk of its rows, a set of query heads that share one key / value head): the heads of a
+  // group together where they fit in kPairsPerTask pairs (else the largest divisor of the group that does), and as
+  // many of the sequence's rows (up to kRowsPerTask) as then fit.
+  int64_t heads_per_task = std::min(groups, kPairsPerTask);
+  while (groups % heads_per_task != 0) --heads_per_task;
+  const int64_t rows_per_task = std::clamp<int64_t>(kPairsPerTask / heads_per_task, 1, kRowsPerTask);
+  const int64_t head_sets = num_heads / heads_per_task;
   std::vector<int64_t> chunk_segment, chunk_row;
   for (int64_t s = 0; s < segments; ++s)
-    for (int64_t i = 0; i < rows[s]; i += kRowsPerTask) {
+    for (int64_t i = 0; i < rows[s]; i += rows_per_task) {
       chunk_segment.push_back(s);
       chunk_row.push_back(first_row[s] + i);
     }
   const int64_t max_count = *std::max_element(starts.begin(), starts.end()) + n;
-  const int64_t tasks = static_cast<int64_t>(chunk_row.size()) * num_heads;
+  const int64_t tasks = static_cast<int64_t>(chunk_row.size()) * head_sets;
   const auto attend_tasks = [&](int64_t begin, int64_t end, std::vector<float>& scratch) {
-    scratch.resize(static_cast<size_t>(kRowsPerTask * (max_count + 8 + d)));
+    scratch.resize(static_cast<size_t>(kPairsPerTask * (max_count + 8 + d)));
+    const float* q[kPairsPerTask];
+    float* o[kPairsPerTask];
+    int64_t count[kPairsPerTask];
     for (int64_t t = begin; t < end; ++t) {
-      const int64_t chunk = t / num_heads, head = t % num_heads, s = chunk_segment[chunk], r = chunk_row[chunk];
-      const int64_t count = std::min(kRowsPerTask, first_row[s + 1] - r);
+      const int64_t chunk = t / head_sets, h0 = t % head_sets * heads_per_task, s = chunk_segment[chunk];
+      const int64_t r0 = chunk_row[chunk], r1 = std::min(r0 + rows_per_task, first_row[s + 1]);
+      int64_t pairs = 0;
+      for (int64_t r = r0; r < r1; ++r)
+        for (int64_t h = h0; h < h0 + heads_per_task; ++h, ++pairs) {
+          q[pairs] = base + r * ld + h * d;
+          o[pairs] = op + r * q_dim + h * d;
+          count[pairs] = starts[s] + (r - first_row[s]) + 1;
+        }
       const float* kv = caches[s].data_ptr<float>();
-      const int64_t capacity = caches[s].size(2), g = head / groups;
-      attend_rows(base + r * ld + head * d, ld, count, kv + g * capacity * d, kv + (kv_heads + g) * capacity * d,
-                  starts[s] + (r - first_row[s]), d, static_cast<float>(scale), op + r * q_dim + head * d, q_dim,
-                  scratch.data());
+      const int64_t capacity = caches[s].size(2), g = h0 / groups;
+      attend_rows(q, count, pairs, kv + g * capacity * d, kv + (kv_heads + g) * capacity * d, d,
+                  static_cast<float>(scale), o, scratch.data());
     }
   };
   if (work < (1 << 16)) {  // under ~64k multiply-adds the whole call stays on this thread
