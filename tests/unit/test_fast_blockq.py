@@ -534,6 +534,24 @@ def test_attention_kernel_matches_torch_for_every_sequence_of_a_pass(heads: int,
         torch.testing.assert_close(got[:, :, : start + n], want[:, :, : start + n], atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize(("heads", "kv_heads", "d", "rows"), [(9, 3, 64, 1), (9, 3, 64, 4), (4, 2, 128, 2)])
+def test_attention_over_a_long_cache_matches_torch(heads: int, kv_heads: int, d: int, rows: int) -> None:
+    """One sequence, a cache past L2 and few tasks (the query heads of a key / value head together) on 2 threads."""
+    start, width = 1300, (heads + 2 * kv_heads) * d
+    qkv, rope = torch.randn(rows, width), _rope(rows, d, seed=5)
+    cache = torch.randn(2, kv_heads, start + rows + 3, d)
+    want = _reference_attention(qkv.clone(), rope, cache.clone(), start, heads, kv_heads, d)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        got = torch.ops.agent_mtp_blockq.attend(
+            qkv.clone(), rope, [cache], [start], [rows], heads, kv_heads, d, d**-0.5
+        )
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+
+
 @pytest.mark.parametrize(("start", "n"), [(41, 4), (130, 11)])
 def test_attention_of_a_row_does_not_depend_on_the_rows_beside_it(start: int, n: int) -> None:
     """A position attended in an n-row pass, alone, or batched beside another sequence gives the same bits (so
@@ -787,8 +805,10 @@ def test_products_do_not_depend_on_how_the_threads_split_the_tasks(kind: str) ->
         same_bits_however_the_threads_split(lambda x=x: blocks(x))
 
 
-def test_attention_does_not_depend_on_how_the_threads_split_the_tasks() -> None:
-    heads, kv_heads, d, start, n = 9, 3, 64, 300, 5
+@pytest.mark.parametrize(("start", "n"), [(300, 5), (1500, 1), (1500, 3)])
+def test_attention_does_not_depend_on_how_the_threads_split_the_tasks(start: int, n: int) -> None:
+    """Also for a long cache and few tasks (3: one per key / value head), which threads take from each other."""
+    heads, kv_heads, d = 9, 3, 64
     width = (heads + 2 * kv_heads) * d
     qkv, rope, history = torch.randn(n, width), _rope(n, d, seed=4), torch.randn(2, kv_heads, start + n, d)
 

@@ -216,9 +216,11 @@ class FastModel:
         """Passes of up to this many rows read the quantization blocks (0: none are kept), longer ones the float32
         GEMM: pinned by ``AGENT_MTP_BLOCK_ROWS``, else measured here for models past the CPU caches."""
         self._attend_kernel = self.head_dim % 8 == 0 and blockq.enabled() and blockq.kernels_available()
-        self._silu_kernel = all(layer.inter % 8 == 0 for layer in self.layers) and self._attend_kernel
         """Whether short passes attend with the C++ kernel (RoPE, cache write and attention of every sequence in one
         call per layer) instead of ATen's bmm / softmax / bmm per sequence."""
+        self._silu_kernel = all(layer.inter % 8 == 0 for layer in self.layers) and self._attend_kernel
+        """Whether the Python layer loop takes the MLP activation from the C++ ``silu_mul`` (as the fused pass does)
+        instead of ATen's silu and mul_."""
         self._rotary = decoder.rotary_emb
         self._rope = torch.empty(0, 1, self.head_dim // 2, dtype=torch.complex64)
         self._rope_lock = threading.Lock()
