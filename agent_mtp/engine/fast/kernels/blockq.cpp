@@ -52,7 +52,6 @@ inline float lane_sum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-
 // A thread's share of shared_for's tasks, [lo, hi) packed in one word: its owner takes chunks from the front, a
 // thread that has finished its own takes from the back.
 struct alignas(64) Share {
