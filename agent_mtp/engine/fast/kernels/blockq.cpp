@@ -1299,8 +1299,8 @@ inline __m256 exp_clamped(__m256 x) {
 // act[r, i] = silu(gate_up[r, i]) * gate_up[r, inter + i] for a Llama MLP: x / (1 + e^-x) (IEEE division), then the
 // product, in the order of torch's silu and mul_. One call per layer: ATen's silu on the slice and its mul_ cost
 // ~10-20 us of dispatch and iterator set-up per layer on a one-row pass for 1536 elements (one-token passes took
-// 0.96x the time with this call, paired in one process, Emerald Rapids VM). e^-x is the attention's polynomial (relative error < 2e-7; torch's Sleef exp: 1 ulp), so the result is
-// within a few ulps of torch's.
+// 0.96x the time with this call, paired in one process, Emerald Rapids VM). e^-x is the attention's polynomial
+// (relative error < 2e-7; torch's Sleef exp: 1 ulp), so the result is within a few ulps of torch's.
 at::Tensor silu_mul(const at::Tensor& gate_up, int64_t inter) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.scalar_type() == at::kFloat && gate_up.stride(1) == 1 &&
                   gate_up.size(1) >= 2 * inter && inter % 8 == 0 && inter > 0,
