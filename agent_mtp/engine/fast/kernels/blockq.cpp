@@ -1561,7 +1561,8 @@ void attend_rows(const float* const* q, const int64_t* count, int64_t n, const f
     // keys every pair attends, for up to 4 pairs at once, then each pair's own last keys
     const int64_t common = wide_rows && d % 64 == 0 ? std::max(j0, std::min(j0 + kKeyChunk, shortest)) : j0;
     if (common > j0)
-      for (int64_t i = 0; i < n; i += 4) wide::weighted_common(std::min<int64_t>(4, n - i), p + i, values, j0, common, d, a + i);
+      for (int64_t i = 0; i < n; i += 4)
+        wide::weighted_common(std::min<int64_t>(4, n - i), p + i, values, j0, common, d, a + i);
     for (int64_t i = 0; i < n; ++i) {
       const int64_t end = std::min(j0 + kKeyChunk, count[i]);
       if (common < end) weighted_range(p[i], values, common, end, d, a[i]);
