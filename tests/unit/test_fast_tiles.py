@@ -121,12 +121,26 @@ def test_tile_grid_handles_zero_tiny_huge_and_non_finite_inputs() -> None:
     x[2] *= 1e-30  # grid steps near the float32 minimum
     x[3] *= 1e30
     x[4, 5] = 1e-8  # one element far below its block's largest: rounded to the block's grid
+    x[5, 32:] *= 1e-33  # a block whose grid step is subnormal (taken by the library's frexp / ldexp)
     exact = x.double() @ weight.double().T
     y = blocks(x).double()
     assert torch.equal(y[0], torch.zeros(32, dtype=torch.float64))
     assert ((y[1:] - exact[1:]).abs() <= _error_bound(x[1:], weight) + 1e-37).all()
     x[5, 7] = float("nan")
     assert torch.isnan(blocks(x)[5]).all() and torch.isfinite(blocks(x)[:5]).all()
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_tile_products_scale_exactly_with_powers_of_two(kind: str) -> None:
+    """Each block's grid is fixed by its largest input's exponent (read off the float's bits), so multiplying the
+    inputs by 2^j multiplies every product by exactly 2^j wherever nothing is subnormal: an exponent read one off
+    anywhere in the range would change a block's rounding and the bits."""
+    _, blocks = _blocks(kind, 32, 128, seed=3)
+    x = torch.randn(4, 128, generator=torch.Generator().manual_seed(4))
+    x[1, 32:64] *= 1e-3  # blocks of one row on different grids
+    base = blocks(x)
+    for j in (-100, -64, -17, -1, 1, 9, 40, 90):
+        assert torch.equal(blocks(x * 2.0**j), base * 2.0**j), j
 
 
 def test_tile_layout_holds_each_features_inputs_in_b_tile_order() -> None:
