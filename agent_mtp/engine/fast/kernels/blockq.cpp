@@ -544,6 +544,7 @@ namespace tiles {
 constexpr int64_t kFeatures = 16;   // outputs per record (a tile's 16 int32 columns)
 constexpr int64_t kQ41Record = 256 + 2 * 32, kQ80Record = 512 + 64;  // Q4_1: d and m in float16
 constexpr int kChunk = 8;           // rows per tile product: a0 rows fill 8 tile rows, a1 / a2 rows 16
+constexpr int kCoarseChunk = 16;    // rows per tile product where all are on the 8-bit grid (a0 only)
 constexpr int64_t kAhead = 4;       // blocks a record stream is prefetched ahead of its product
 
 struct alignas(64) Config {
@@ -569,12 +570,19 @@ inline void configure(int chunk) {
 
 // A pass's inputs on each block's grid: a0 [blocks][rows][32] int8, a12 [blocks][rows][2][32] uint8, and per row and
 // block the grid step 2^(e - 23) and the float32 sum of the inputs.
+//
+// Rows are in the pass's order, or (``ordered``, for the tiles) the exact rows first and the 8-bit ones after them:
+// grid row r holds the pass's row order[r], rows [0, exact) are exact and [exact, rows) on the 8-bit grid, so that a
+// tile can load a chunk of 8-bit rows alone (their tile products need none of the exact rows' two low bytes).
 struct Grid {
   std::vector<int8_t> a0;
   std::vector<uint8_t> a12;
   std::vector<float> step, sum;  // [rows][blocks]
-  const uint8_t* coarse = nullptr;  // [rows] or none: 1 where a row is on an 8-bit grid (a0 = x * 127 / peak)
-  bool coarse_row(int64_t r) const { return coarse != nullptr && coarse[r] != 0; }
+  const uint8_t* coarse = nullptr;  // [pass rows] or none: 1 where a row is on an 8-bit grid (a0 = x * 127 / peak)
+  std::vector<int64_t> order;       // grid row -> pass row where the rows are reordered, else empty
+  int64_t exact = 0;                // grid rows [0, exact) exact, [exact, rows) 8-bit where reordered, else all rows
+  int64_t row_of(int64_t r) const { return order.empty() ? r : order[r]; }
+  bool coarse_row(int64_t r) const { return coarse != nullptr && coarse[row_of(r)] != 0; }
 };
 
 // sum of 32 floats as ((v0 + v1) lane sums, reduced in a fixed order).
@@ -602,13 +610,34 @@ inline float grid_step(float peak, int& e) {
 // 0.67 ms a pass on grids split across 2 threads, 0.25 ms built on one).
 constexpr int64_t kGridGrain = 1024;
 
+// Whether a tile pass of ``rows`` rows, ``light`` of them on the 8-bit grid, costs less with those in coarse chunks
+// of up to 16 (one tile product and store a block for each stream) than mixed into the exact chunks of up to 8 (two
+// of each). Tile products and stores run one at a time at ~3-5 ns each whatever their rows (microbenchmarked on a
+// Sapphire Rapids-class VM), so the count of chunks prices a pass: an exact chunk ~33 ns a block of a stream pair, a
+// coarse one ~24. Splitting off 3 draft rows of a 4-row pass adds a chunk (1.2x slower, measured); the 24 draft rows
+// of 8 sequences' 4-row passes take 2 coarse chunks instead of 3 exact ones.
+inline bool coarse_chunks_pay(int64_t rows, int64_t light) {
+  const auto chunks = [](int64_t n, int64_t per) { return (n + per - 1) / per; };
+  return light > 0 && 33 * chunks(rows - light, kChunk) + 24 * chunks(light, kCoarseChunk) < 33 * chunks(rows, kChunk);
+}
+
 // The grid is built in storage this thread keeps from call to call (a pass makes ~120 grids: four fresh vectors
 // each cost ~2 us a call), so it serves until this thread's next on_grid.
-const Grid& on_grid(const float* x, int64_t rows, int64_t k, const uint8_t* coarse = nullptr) {
+const Grid& on_grid(const float* x, int64_t rows, int64_t k, const uint8_t* coarse = nullptr, bool ordered = false) {
   const int64_t blocks = k / kBlock;
   static thread_local Grid storage;
   Grid& g = storage;  // a local name: the threads of the parallel_for below must write the caller's grid, not theirs
   g.coarse = coarse;  // the caller's flags, alive for the product's call
+  g.order.clear();
+  g.exact = rows;
+  const auto light = [&] { return std::count_if(coarse, coarse + rows, [](uint8_t c) { return c != 0; }); };
+  if (ordered && coarse != nullptr && coarse_chunks_pay(rows, light())) {
+    for (int64_t r = 0; r < rows; ++r)
+      if (coarse[r] == 0) g.order.push_back(r);
+    g.exact = static_cast<int64_t>(g.order.size());
+    for (int64_t r = 0; r < rows; ++r)
+      if (coarse[r] != 0) g.order.push_back(r);
+  }
   g.a0.resize(static_cast<size_t>(blocks * rows * kBlock));
   g.a12.resize(static_cast<size_t>(blocks * rows * 2 * kBlock));
   g.step.resize(static_cast<size_t>(rows * blocks));
@@ -620,7 +649,7 @@ const Grid& on_grid(const float* x, int64_t rows, int64_t k, const uint8_t* coar
   at::parallel_for(0, rows * blocks, kGridGrain, [&](int64_t begin, int64_t end) {
     for (int64_t slot = begin; slot < end; ++slot) {
       const int64_t r = slot / blocks, b = slot % blocks;
-      const float* xb = x + r * k + b * kBlock;
+      const float* xb = x + g.row_of(r) * k + b * kBlock;
       const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
       const float peak = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(v0, abs_mask), _mm512_and_ps(v1, abs_mask)));
       g.sum[r * blocks + b] = block_sum(v0, v1);
@@ -728,7 +757,8 @@ inline void scale_into(__m512* acc, const int32_t* c0, const int32_t* c12, const
 // so the two streams' products and scaling overlap; a Q4_1 block is unpacked one block ahead of its product.
 template <bool kQ4, int kRows, bool kPair>
 inline void chunk_product(const Grid& g, int64_t rows, int64_t r0, int64_t blocks, const uint8_t* rec_a,
-                          const uint8_t* rec_b, float* y, int64_t ldy, bool add, __mmask16 keep_b) {
+                          const uint8_t* rec_b, float* y, int64_t ldy, bool add, __mmask16 keep_b,
+                          const int64_t* out) {
   alignas(64) uint8_t quants[2][2][512];
   alignas(64) int32_t c0[2][kChunk * 16], c12[2][2 * kChunk * 16];
   __m512 acc_a[kRows], acc_b[kRows];
@@ -773,7 +803,7 @@ inline void chunk_product(const Grid& g, int64_t rows, int64_t r0, int64_t block
     if constexpr (kPair) scale_into<kQ4, kRows>(acc_b, c0[1], c12[1], rb, step + b, sum + b, blocks);
   }
   for (int i = 0; i < kRows; ++i) {
-    float* yr = y + i * ldy;
+    float* yr = y + (out != nullptr ? out[i] : i) * ldy;
     _mm512_storeu_ps(yr, add ? _mm512_add_ps(_mm512_loadu_ps(yr), acc_a[i]) : acc_a[i]);
     if constexpr (kPair) {
       const __m512 before = add ? _mm512_maskz_loadu_ps(keep_b, yr + 16) : _mm512_setzero_ps();
@@ -784,42 +814,130 @@ inline void chunk_product(const Grid& g, int64_t rows, int64_t r0, int64_t block
 
 template <bool kQ4, bool kPair>
 inline void rows_of(int chunk, const Grid& g, int64_t rows, int64_t r0, int64_t blocks, const uint8_t* ra,
-                    const uint8_t* rb, float* y, int64_t ldy, bool add, __mmask16 keep) {
+                    const uint8_t* rb, float* y, int64_t ldy, bool add, __mmask16 keep, const int64_t* out) {
   switch (chunk) {
-    case 8: chunk_product<kQ4, 8, kPair>(g, rows, r0, blocks, ra, rb, y, ldy, add, keep); break;
-    case 7: chunk_product<kQ4, 7, kPair>(g, rows, r0, blocks, ra, rb, y, ldy, add, keep); break;
-    case 6: chunk_product<kQ4, 6, kPair>(g, rows, r0, blocks, ra, rb, y, ldy, add, keep); break;
-    case 5: chunk_product<kQ4, 5, kPair>(g, rows, r0, blocks, ra, rb, y, ldy, add, keep); break;
-    case 4: chunk_product<kQ4, 4, kPair>(g, rows, r0, blocks, ra, rb, y, ldy, add, keep); break;
-    case 3: chunk_product<kQ4, 3, kPair>(g, rows, r0, blocks, ra, rb, y, ldy, add, keep); break;
-    case 2: chunk_product<kQ4, 2, kPair>(g, rows, r0, blocks, ra, rb, y, ldy, add, keep); break;
-    default: chunk_product<kQ4, 1, kPair>(g, rows, r0, blocks, ra, rb, y, ldy, add, keep); break;
+    case 8: chunk_product<kQ4, 8, kPair>(g, rows, r0, blocks, ra, rb, y, ldy, add, keep, out); break;
+    case 7: chunk_product<kQ4, 7, kPair>(g, rows, r0, blocks, ra, rb, y, ldy, add, keep, out); break;
+    case 6: chunk_product<kQ4, 6, kPair>(g, rows, r0, blocks, ra, rb, y, ldy, add, keep, out); break;
+    case 5: chunk_product<kQ4, 5, kPair>(g, rows, r0, blocks, ra, rb, y, ldy, add, keep, out); break;
+    case 4: chunk_product<kQ4, 4, kPair>(g, rows, r0, blocks, ra, rb, y, ldy, add, keep, out); break;
+    case 3: chunk_product<kQ4, 3, kPair>(g, rows, r0, blocks, ra, rb, y, ldy, add, keep, out); break;
+    case 2: chunk_product<kQ4, 2, kPair>(g, rows, r0, blocks, ra, rb, y, ldy, add, keep, out); break;
+    default: chunk_product<kQ4, 1, kPair>(g, rows, r0, blocks, ra, rb, y, ldy, add, keep, out); break;
   }
 }
 
-// Outputs f0..f0 + features (1-32: one record stream, or two side by side) for every row; ``configured``: the chunk
-// size the calling thread's tiles are configured for (0: none yet).
+// Tiles for a chunk of up to kCoarseChunk rows on the 8-bit grid alone: 0 = B (quants), 1 = A (a0 of the rows), 3 = C.
+constexpr int kCoarseConfig = 16;  // ``configured`` values above this: a coarse chunk of (value - 16) rows
+inline void configure_coarse(int chunk) {
+  Config c;
+  c.rows[0] = 8, c.colsb[0] = 64;
+  c.rows[1] = chunk, c.colsb[1] = 32;
+  c.rows[3] = chunk, c.colsb[3] = 64;
+  _tile_loadconfig(&c);
+}
+
+// y[out[i], 0:16] (+)= grid rows r0 + i (i < kRows <= 16, every one on the 8-bit grid: a1 = a2 = 0) against one
+// record stream (``keep``: the features written). One tile product and one store a block serve all of them, where an
+// exact chunk takes two of each for 8 rows: on a 2-core Sapphire Rapids-class VM a tile product or store costs
+// ~3-5 ns whatever its rows (coarse_chunks_pay). Scaled by scale_row
+// with zero low sums, as VNNI and the exact chunks scale such a row: the same bits.
+template <bool kQ4, int kRows>
+inline void coarse_product(const Grid& g, int64_t rows, int64_t r0, int64_t blocks, const uint8_t* rec, float* y,
+                           int64_t ldy, bool add, __mmask16 keep, const int64_t* out) {
+  alignas(64) uint8_t quants[2][512];
+  alignas(64) int32_t c0[2][kCoarseChunk * 16];
+  __m512 acc[kRows];
+  for (int i = 0; i < kRows; ++i) acc[i] = _mm512_setzero_ps();
+  constexpr int64_t record = kQ4 ? kQ41Record : kQ80Record;
+  if constexpr (kQ4) unpack_q4(rec, quants[0]);
+  const float* step = g.step.data() + r0 * blocks;
+  const float* sum = g.sum.data() + r0 * blocks;
+  const __m512i none = _mm512_setzero_si512();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* rb = rec + b * record;
+    const int now = static_cast<int>(b & 1);
+    for (int64_t line = 0; line < record; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(rb + kAhead * record + line), _MM_HINT_T0);
+    if constexpr (kQ4) {
+      if (b + 1 < blocks) unpack_q4(rb + record, quants[now ^ 1]);
+      _tile_loadd(0, quants[now], 64);
+    } else {
+      _tile_loadd(0, rb, 64);
+    }
+    _tile_loadd(1, g.a0.data() + (b * rows + r0) * kBlock, kBlock);
+    _tile_zero(3);
+    if constexpr (kQ4) {
+      _tile_dpbsud(3, 1, 0);  // signed a0 x unsigned quants
+    } else {
+      _tile_dpbssd(3, 1, 0);
+    }
+    _tile_stored(3, c0[now], 64);
+    const __m512 d = record_d<kQ4>(rb), m = record_m<kQ4>(rb);
+#pragma GCC unroll 16
+    for (int i = 0; i < kRows; ++i)
+      acc[i] = scale_row<kQ4>(acc[i], _mm512_load_si512(c0[now] + 16 * i), none, none, d, m, step[i * blocks + b],
+                              sum[i * blocks + b]);
+  }
+  for (int i = 0; i < kRows; ++i) {
+    float* yr = y + out[i] * ldy;
+    const __m512 before = add ? _mm512_maskz_loadu_ps(keep, yr) : _mm512_setzero_ps();
+    _mm512_mask_storeu_ps(yr, keep, add ? _mm512_add_ps(before, acc[i]) : acc[i]);
+  }
+}
+
+template <bool kQ4>
+inline void coarse_rows_of(int chunk, const Grid& g, int64_t rows, int64_t r0, int64_t blocks, const uint8_t* rec,
+                           float* y, int64_t ldy, bool add, __mmask16 keep, const int64_t* out) {
+  switch (chunk) {
+#define AGENT_MTP_COARSE_CASE(n) \
+  case n: coarse_product<kQ4, n>(g, rows, r0, blocks, rec, y, ldy, add, keep, out); break;
+    AGENT_MTP_COARSE_CASE(16) AGENT_MTP_COARSE_CASE(15) AGENT_MTP_COARSE_CASE(14) AGENT_MTP_COARSE_CASE(13)
+    AGENT_MTP_COARSE_CASE(12) AGENT_MTP_COARSE_CASE(11) AGENT_MTP_COARSE_CASE(10) AGENT_MTP_COARSE_CASE(9)
+    AGENT_MTP_COARSE_CASE(8) AGENT_MTP_COARSE_CASE(7) AGENT_MTP_COARSE_CASE(6) AGENT_MTP_COARSE_CASE(5)
+    AGENT_MTP_COARSE_CASE(4) AGENT_MTP_COARSE_CASE(3) AGENT_MTP_COARSE_CASE(2)
+    default: coarse_product<kQ4, 1>(g, rows, r0, blocks, rec, y, ldy, add, keep, out); break;
+#undef AGENT_MTP_COARSE_CASE
+  }
+}
+
+// Outputs f0..f0 + features (1-32: one record stream, or two side by side) for every row; ``configured``: what the
+// calling thread's tiles are configured for (0: nothing yet; 1-8: an exact chunk of that many rows; above
+// kCoarseConfig: a coarse chunk). Where the grid is ordered, its exact rows take the exact chunks and its 8-bit rows
+// the coarse ones, each writing the pass's own rows of y.
 template <bool kQ4>
 void records_product(const Grid& g, int64_t rows, int64_t blocks, const uint8_t* rec, int64_t stride, float* y,
                      int64_t ldy, bool add, int64_t features, int& configured) {
   const bool pair = features > kFeatures;
   const int64_t last = pair ? features - kFeatures : features;
   const __mmask16 keep = static_cast<__mmask16>((1u << last) - 1u);
-  for (int64_t r0 = 0; r0 < rows; r0 += kChunk) {
-    const int chunk = static_cast<int>(std::min<int64_t>(kChunk, rows - r0));
+  const int64_t* order = g.order.empty() ? nullptr : g.order.data();
+  for (int64_t r0 = 0; r0 < g.exact; r0 += kChunk) {
+    const int chunk = static_cast<int>(std::min<int64_t>(kChunk, g.exact - r0));
     if (chunk != configured) configure(configured = chunk);
+    float* yc = order != nullptr ? y : y + r0 * ldy;  // with an order, rows are placed through it
+    const int64_t* out = order != nullptr ? order + r0 : nullptr;
     if (pair) {
-      rows_of<kQ4, true>(chunk, g, rows, r0, blocks, rec, rec + stride, y + r0 * ldy, ldy, add, keep);
+      rows_of<kQ4, true>(chunk, g, rows, r0, blocks, rec, rec + stride, yc, ldy, add, keep, out);
     } else if (last == kFeatures) {
-      rows_of<kQ4, false>(chunk, g, rows, r0, blocks, rec, nullptr, y + r0 * ldy, ldy, add, keep);
+      rows_of<kQ4, false>(chunk, g, rows, r0, blocks, rec, nullptr, yc, ldy, add, keep, out);
     } else {  // a last partial record: its first ``last`` outputs
       alignas(64) float part[kChunk * kFeatures];
-      rows_of<kQ4, false>(chunk, g, rows, r0, blocks, rec, nullptr, part, kFeatures, false, keep);
+      rows_of<kQ4, false>(chunk, g, rows, r0, blocks, rec, nullptr, part, kFeatures, false, keep, nullptr);
       for (int i = 0; i < chunk; ++i) {
-        float* yr = y + (r0 + i) * ldy;
+        float* yr = y + g.row_of(r0 + i) * ldy;
         for (int64_t f = 0; f < last; ++f) yr[f] = add ? yr[f] + part[i * kFeatures + f] : part[i * kFeatures + f];
       }
     }
+  }
+  for (int64_t r0 = g.exact; r0 < rows; r0 += kCoarseChunk) {  // the 8-bit rows of an ordered grid
+    const int chunk = static_cast<int>(std::min<int64_t>(kCoarseChunk, rows - r0));
+    if (configured != kCoarseConfig + chunk) {
+      configured = kCoarseConfig + chunk;
+      configure_coarse(chunk);
+    }
+    coarse_rows_of<kQ4>(chunk, g, rows, r0, blocks, rec, y, ldy, add, pair ? __mmask16{0xFFFF} : keep, order + r0);
+    if (pair) coarse_rows_of<kQ4>(chunk, g, rows, r0, blocks, rec + stride, y + kFeatures, ldy, add, keep, order + r0);
   }
 }
 
@@ -1151,7 +1269,7 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& qs, const at::T
     TORCH_CHECK(tiles->scalar_type() == at::kByte && tiles->is_contiguous() &&
                     tiles->numel() == records * blocks * record,
                 "tiles must be a contiguous uint8 [ceil(out / 16), in / 32 * ", record, "] tensor");
-    const tiles::Grid& grid = tiles::on_grid(xp, rows, k, coarse);
+    const tiles::Grid& grid = tiles::on_grid(xp, rows, k, coarse, on_tiles);
     const uint8_t* tp = tiles->data_ptr<uint8_t>();
     const int64_t pairs = (records + 1) / 2;  // a task multiplies two record streams (32 features)
     const int64_t dense_tasks = (extra + kGroup - 1) / kGroup, early = dense_tasks / 2;
