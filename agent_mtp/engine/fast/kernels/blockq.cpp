@@ -840,8 +840,8 @@ inline void configure_coarse(int chunk) {
 // y[out[i], 0:16] (+)= grid rows r0 + i (i < kRows <= 16, every one on the 8-bit grid: a1 = a2 = 0) against one
 // record stream (``keep``: the features written). One tile product and one store a block serve all of them, where an
 // exact chunk takes two of each for 8 rows: on a 2-core Sapphire Rapids-class VM a tile product or store costs
-// ~3-5 ns whatever its rows (coarse_chunks_pay). Scaled by scale_row
-// with zero low sums, as VNNI and the exact chunks scale such a row: the same bits.
+// ~3-5 ns whatever its rows (coarse_chunks_pay). Scaled by scale_row with zero low sums, as VNNI and the exact chunks
+// scale such a row: the same bits.
 template <bool kQ4, int kRows>
 inline void coarse_product(const Grid& g, int64_t rows, int64_t r0, int64_t blocks, const uint8_t* rec, float* y,
                            int64_t ldy, bool add, __mmask16 keep, const int64_t* out) {
