@@ -433,6 +433,38 @@ def _cell_key(cell: Cell, rounds: int) -> str:
     return f"{cell.policy}@{cell.clients}" + (f"#{cell.round_index + 1}" if rounds > 1 else "")
 
 
+def check_base_url(base_url: str) -> str:
+    """``base_url`` without a trailing slash, once ``GET {base_url}/models`` answers as an OpenAI-compatible API does;
+    else a ConfigError naming what answered. Without the check a wrong URL (the server's root instead of its ``/v1``)
+    sent every client into a loop of instant 404s: the cells ran their full duration at 100% errors."""
+    url = base_url.rstrip("/")
+    try:
+        response = httpx.get(f"{url}/models", timeout=10.0)
+    except httpx.HTTPError as e:
+        raise ConfigError(
+            f"--base-url {base_url!r}: no server answered ({type(e).__name__}: {e}); start one with "
+            "`agent-mtp serve`, or leave --base-url out to have the load test start one."
+        ) from e
+    if response.status_code == 401:
+        raise ConfigError(
+            f"--base-url {base_url!r} asks for an API key (HTTP 401) and the load test sends none: run it against "
+            "a server started without one ($AGENT_MTP_SERVE_API_KEY unset), or leave --base-url out."
+        )
+    listed = False
+    if response.status_code == 200:
+        try:
+            listed = isinstance(response.json().get("data"), list)
+        except (ValueError, AttributeError):
+            listed = False
+    if not listed:
+        hint = f" (did you mean {url}/v1?)" if not url.endswith("/v1") else ""
+        raise ConfigError(
+            f"--base-url {base_url!r} is not the root of an OpenAI-compatible API: GET {url}/models "
+            f"answered HTTP {response.status_code}{hint}; pass e.g. http://127.0.0.1:8000/v1."
+        )
+    return url
+
+
 def run_loadtest(config: LoadtestConfig, *, base_url: str | None, threads: int | None, out_dir: Path) -> dict[str, Any]:
     """Run every cell, print the table, write JSON, Markdown and PNG under ``out_dir``; return the report."""
     started = time.time()
@@ -441,8 +473,9 @@ def run_loadtest(config: LoadtestConfig, *, base_url: str | None, threads: int |
             cells = run_cells(url, config)
             health = httpx.get(url.replace("/v1", "/health")).json()
     else:
-        cells = run_cells(base_url.rstrip("/"), config)
-        health = httpx.get(base_url.rstrip("/").removesuffix("/v1") + "/health").json()
+        url = check_base_url(base_url)
+        cells = run_cells(url, config)
+        health = httpx.get(url.removesuffix("/v1") + "/health").json()
     summaries = pooled_summaries(cells)
     report: dict[str, Any] = {
         "config": asdict(config),

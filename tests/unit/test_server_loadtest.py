@@ -17,6 +17,7 @@ from agent_mtp.server.loadtest import (
     Cell,
     LoadtestConfig,
     RequestRecord,
+    check_base_url,
     markdown,
     pooled_summaries,
     ratios,
@@ -154,3 +155,28 @@ def test_rounds_against_a_tiny_server_alternate_and_pool(tmp_path: Path) -> None
         written["ratios"]["vs_ntp_rounds"]["2"]["verified"]
         and "Pooled over 2 rounds" in (tmp_path / "loadtest.md").read_text()
     )
+
+
+def test_a_base_url_that_is_not_the_api_root_is_refused_before_any_cell(tmp_path: Path) -> None:
+    """The server's root instead of its /v1 answered every request with an instant 404, and the cells ran their whole
+    duration at 100% errors: the URL is checked first, and the message names the fix."""
+    service, settings = _tiny_service()
+    config = LoadtestConfig(clients=(1,), policies=("ntp",), suite="quick", requests_per_client=1, max_tokens=4)
+    with serving(create_app(settings, service=service)) as server:
+        root = server.base_url.removesuffix("/v1")
+        assert check_base_url(server.base_url + "/") == server.base_url
+        with pytest.raises(ConfigError, match=r"HTTP 404 \(did you mean .*/v1\?\)"):
+            run_loadtest(config, base_url=root, threads=None, out_dir=tmp_path)
+    service.close()
+    assert not (tmp_path / "loadtest.json").exists()
+    with pytest.raises(ConfigError, match="no server answered"):
+        check_base_url(root)  # stopped
+
+
+def test_a_server_that_asks_for_a_key_is_named_as_such() -> None:
+    service, settings = _tiny_service()
+    keyed = ServerSettings(**{**settings.model_dump(), "api_key": "s3cret-key"})
+    with serving(create_app(keyed, service=service)) as server, pytest.raises(ConfigError, match="API key") as caught:
+        check_base_url(server.base_url)
+    service.close()
+    assert "s3cret" not in str(caught.value)
