@@ -52,6 +52,11 @@ inline float lane_sum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// How many of a pass's ``rows`` rows are flagged for the 8-bit grid in ``coarse`` (none where it is null).
+inline int64_t light_rows(const uint8_t* coarse, int64_t rows) {
+  return coarse == nullptr ? 0 : std::count_if(coarse, coarse + rows, [](uint8_t c) { return c != 0; });
+}
+
 // A thread's share of shared_for's tasks, [lo, hi) packed in one word: its owner takes chunks from the front, a
 // thread that has finished its own takes from the back.
 struct alignas(64) Share {
@@ -630,8 +635,7 @@ const Grid& on_grid(const float* x, int64_t rows, int64_t k, const uint8_t* coar
   g.coarse = coarse;  // the caller's flags, alive for the product's call
   g.order.clear();
   g.exact = rows;
-  const auto light = [&] { return std::count_if(coarse, coarse + rows, [](uint8_t c) { return c != 0; }); };
-  if (ordered && coarse != nullptr && coarse_chunks_pay(rows, light())) {
+  if (ordered && coarse_chunks_pay(rows, light_rows(coarse, rows))) {
     for (int64_t r = 0; r < rows; ++r)
       if (coarse[r] == 0) g.order.push_back(r);
     g.exact = static_cast<int64_t>(g.order.size());
@@ -1156,12 +1160,7 @@ inline Records records_path(int64_t rows, int64_t light) {
 }
 
 // records_path for a pass whose 8-bit rows are flagged in ``coarse`` (or none).
-Records records_path(int64_t rows, const uint8_t* coarse) {
-  int64_t light = 0;
-  if (coarse != nullptr)
-    for (int64_t r = 0; r < rows; ++r) light += coarse[r] != 0;
-  return records_path(rows, light);
-}
+Records records_path(int64_t rows, const uint8_t* coarse) { return records_path(rows, light_rows(coarse, rows)); }
 
 // records_path as an op (0: none, 1: VNNI, 2: tiles), for tests and benchmarks.
 int64_t records_path_of(int64_t rows, int64_t light) {
