@@ -10,7 +10,9 @@ The decode loop (``engine/decode.py``) uses a constraint like this, per pass:
 * after each pass, :meth:`TokenConstraint.forced_tokens` may return tokens that are the only valid continuation
   (jump-forward); they are appended without a forward pass.
 
-An implementation backed by xgrammar lives in ``agent_mtp/engine/grammar.py``.
+An implementation backed by xgrammar lives in ``agent_mtp/engine/grammar.py``. It also has an optional
+``allows(token_id) -> bool`` (``allowed_mask(V)[token_id]`` without building the mask), which the decode loop uses,
+when present, to check the greedy token of a pass before it falls back to the mask.
 """
 
 from __future__ import annotations

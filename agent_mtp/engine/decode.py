@@ -247,6 +247,9 @@ def _greedy(logits: torch.Tensor, row: int, top: Sequence[int] | None, constrain
     token = top[row]
     if constraint is None:
         return token
+    allows = getattr(constraint, "allows", None)  # optional: one bit instead of a whole mask (GrammarConstraint)
+    if allows is not None and token < logits.shape[-1] and allows(token):
+        return token
     allowed = constraint.allowed_mask(logits.shape[-1])
     if bool(allowed[token]):
         return token

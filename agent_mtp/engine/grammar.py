@@ -34,6 +34,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import numpy as np
 import torch
 
 from agent_mtp.engine.threads import single_threaded
@@ -118,6 +119,8 @@ class _Vocab:
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=2)
         self.banned = _banned_tokens(tokenizer, vocab_size, stop_token_ids)  # [V] bool
         self.banned_ids = frozenset(int(i) for i in self.banned.nonzero().flatten().tolist())
+        self.allowed_words = _pack(~self.banned)
+        """int32 [ceil(V/32)]: the tokens that may ever be allowed, in xgrammar's bitmask layout."""
         self._compiled: OrderedDict[GrammarSpec, Any] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -233,6 +236,9 @@ class GrammarConstraint:
         self.matcher = xgr.GrammarMatcher(compiled)
         self.jump_forward = jump_forward
         self._bitmask = xgr.allocate_token_bitmask(1, vocab.vocab_size)
+        self._bits: np.ndarray = self._bitmask[0].numpy()  # the same memory, read without torch's per-op cost
+        self._filled = False
+        """Whether ``_bits`` holds the current state's allowed tokens."""
         self._plans: list[tuple[int, ...] | None] = [None]
         """The plan (forced tokens) of the state after each accepted token; None = not computed yet."""
         self._mask: torch.Tensor | None = None
@@ -250,6 +256,16 @@ class GrammarConstraint:
             mask = self._grammar_mask()
         return _fit(mask, vocab_size)
 
+    def allows(self, token_id: int) -> bool:
+        """Whether ``token_id`` is allowed next: ``allowed_mask(...)[token_id]`` without building the mask (a bit
+        of xgrammar's bitmask; the decode loop asks this of the greedy token, on every constrained pass)."""
+        plan = self._plan()
+        if plan:
+            return token_id == plan[0]
+        if not 0 <= token_id < self.vocab.vocab_size:
+            return False
+        return bool((int(self._fill()[token_id >> 5]) >> (token_id & 31)) & 1)
+
     def accept(self, token_id: int) -> bool:
         token_id = int(token_id)
         if token_id in self.vocab.banned_ids or not 0 <= token_id < self.vocab.vocab_size:
@@ -262,7 +278,7 @@ class GrammarConstraint:
         if not self.matcher.accept_token(token_id):
             return False
         self._plans.append(plan[1:] or None)
-        self._mask = self._draft = None
+        self._forget_state()
         return True
 
     def rollback(self, num_tokens: int) -> None:
@@ -272,7 +288,7 @@ class GrammarConstraint:
             raise GrammarError(f"Cannot roll back {num_tokens} tokens: only {len(self._plans) - 1} were accepted.")
         self.matcher.rollback(num_tokens)
         del self._plans[-num_tokens:]
-        self._mask = self._draft = None
+        self._forget_state()
 
     def is_terminated(self) -> bool:
         return bool(self.matcher.is_terminated())
@@ -299,14 +315,34 @@ class GrammarConstraint:
         return len(self._plans) - 1
 
     # -- internals ------------------------------------------------------------------------------------------
-    def _grammar_mask(self) -> torch.Tensor:
-        if self._mask is None:
+    def _forget_state(self) -> None:
+        self._mask = self._draft = None
+        self._filled = False
+
+    def _fill(self) -> np.ndarray:
+        """The current state's allowed tokens as a packed bitmask (banned tokens cleared), filled once per state."""
+        if not self._filled:
             if self.matcher.is_terminated():
-                self._mask = torch.zeros(self.vocab.vocab_size, dtype=torch.bool)
+                self._bits.fill(0)
             else:
                 self.matcher.fill_next_token_bitmask(self._bitmask)
-                self._mask = _unpack(self._bitmask[0], self.vocab.vocab_size) & ~self.vocab.banned
+                np.bitwise_and(self._bits, self.vocab.allowed_words, out=self._bits)
+            self._filled = True
+        return self._bits
+
+    def _grammar_mask(self) -> torch.Tensor:
+        if self._mask is None:
+            self._mask = _unpack(torch.from_numpy(self._fill()), self.vocab.vocab_size)
         return self._mask
+
+    def _single_token(self) -> int | None:
+        """The one allowed token, if exactly one is (a word with a single bit set, all others zero)."""
+        bits = self._fill()
+        words = np.flatnonzero(bits)
+        if len(words) != 1:
+            return None
+        word = int(bits[words[0]]) & 0xFFFFFFFF
+        return int(words[0]) * 32 + word.bit_length() - 1 if word & (word - 1) == 0 else None
 
     def _plan(self) -> tuple[int, ...]:
         plan = self._plans[-1]
@@ -321,10 +357,8 @@ class GrammarConstraint:
         tokens = self._jump_forward_tokens(self.matcher.find_jump_forward_string())
         if tokens:
             return tokens
-        mask = self._grammar_mask()
-        if int(mask.sum()) == 1:  # a single legal token (e.g. the stop token after a closed tool call)
-            return (int(mask.nonzero()[0, 0]),)
-        return ()
+        single = self._single_token()  # a single legal token (e.g. the stop token after a closed tool call)
+        return () if single is None else (single,)
 
     def _jump_forward_tokens(self, forced: str) -> tuple[int, ...]:
         """Tokens of the forced string that the matcher accepts, minus the last token of the tokenisation (it
@@ -354,6 +388,15 @@ def _unpack(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """int32 [ceil(V/32)] bitmask -> bool [V] (bit i of word w is token 32 * w + i)."""
     bits = (bitmask[:, None] >> _SHIFTS) & 1  # [W, 32]
     return bits.flatten()[:vocab_size].bool()
+
+
+def _pack(mask: torch.Tensor) -> np.ndarray:
+    """bool [V] -> int32 [ceil(V/32)] in xgrammar's bitmask layout (the inverse of :func:`_unpack`)."""
+    words = -(-mask.shape[0] // 32)
+    padded = torch.zeros(words * 32, dtype=torch.int64)
+    padded[: mask.shape[0]] = mask.to(torch.int64)
+    packed = (padded.view(words, 32) << _SHIFTS.to(torch.int64)).sum(1)  # [W] in 0 .. 2^32 - 1
+    return packed.numpy().astype(np.uint32).view(np.int32)
 
 
 def _fit(mask: torch.Tensor, vocab_size: int) -> torch.Tensor:

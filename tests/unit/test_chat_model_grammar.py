@@ -96,6 +96,35 @@ def test_rejected_token_leaves_the_state_unchanged_and_rollback_restores_it(engi
     assert torch.equal(constraint.allowed_mask(width), start)
 
 
+def test_allows_agrees_with_the_mask_in_every_state_and_after_rollback(engine):
+    """``allows`` reads one bit of the bitmask the mask is unpacked from (banned tokens cleared): for every token
+    of the logits' width, in planned and unplanned states, after rejected tokens and rollbacks, both agree."""
+    width = engine.model.get_output_embeddings().weight.shape[0]
+    for jump_forward in (True, False):
+        constraint = forced_grammar(engine, jump_forward=jump_forward).constraint()
+        ids = engine.tokenizer.encode('<tool_call>\n{"name": "book_table", "arguments": {"city": "Oslo", "note": "')
+        states = 0
+        for step in range(len(ids) + 1):
+            mask = constraint.allowed_mask(width)
+            allows = torch.tensor([constraint.allows(t) for t in range(width)])
+            assert torch.equal(allows, mask), (jump_forward, step)
+            states += 1
+            if step == len(ids) or not constraint.accept(ids[step]):
+                break
+        assert states > 5
+        assert not constraint.allows(engine.mask_token_id) and not constraint.allows(width + 3)
+        constraint.rollback(constraint.num_accepted)
+        assert torch.equal(torch.tensor([constraint.allows(t) for t in range(width)]), constraint.allowed_mask(width))
+
+
+def test_packed_bits_round_trip():
+    from agent_mtp.engine.grammar import _pack, _unpack
+
+    mask = torch.rand(1000) < 0.5
+    mask[31] = mask[63] = True  # the sign bit of a word
+    assert torch.equal(_unpack(torch.from_numpy(_pack(mask)), 1000), mask)
+
+
 def test_forced_tokens_do_not_advance_and_drive_the_mask(engine):
     constraint = forced_grammar(engine).constraint()
     width = engine.model.get_output_embeddings().weight.shape[0]
