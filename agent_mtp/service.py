@@ -23,6 +23,7 @@ import contextvars
 import dataclasses
 import json
 import threading
+import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -623,15 +624,68 @@ def _check_timeout(request: Request, result: GenerationResult) -> None:
 _DONE = object()
 
 
+class _Mailbox:
+    """Hands items from worker threads to one event loop's queues with one wake-up per burst, however many streams
+    it carries. After a batched pass every sequence's decode thread delivers its delta within a millisecond or two;
+    a wake-up of its own for each (``call_soon_threadsafe``: a self-pipe write, a loop iteration, a GIL hand-over)
+    cost the server ~170 us of event-loop CPU per streamed chunk at 8 clients, inside the gap where the next pass
+    waits for the sequences (measured from /proc; a stream's own SSE work is ~15 us a chunk)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = weakref.ref(loop)  # a strong one would keep the loop's _MAILBOXES entry alive for ever
+        self._lock = threading.Lock()
+        self._items: list[tuple[asyncio.Queue[Any], Any]] = []
+        self._closed = False
+
+    def post(self, queue: asyncio.Queue[Any], item: Any) -> None:
+        """Put ``item`` on ``queue`` on the loop's thread, after every item posted before it; raises RuntimeError
+        once the loop is closed (nobody is listening any more)."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("The event loop is closed.")
+            self._items.append((queue, item))
+            if len(self._items) > 1:  # a wake-up is on its way and will deliver this one too
+                return
+        try:
+            loop = self._loop()
+            if loop is None:
+                raise RuntimeError("The event loop is gone.")
+            loop.call_soon_threadsafe(self._deliver)
+        except RuntimeError:
+            with self._lock:
+                self._closed = True
+                self._items.clear()
+            raise
+
+    def _deliver(self) -> None:
+        with self._lock:
+            items, self._items = self._items, []
+        for queue, item in items:
+            queue.put_nowait(item)
+
+
+_MAILBOXES: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Mailbox] = weakref.WeakKeyDictionary()
+_MAILBOXES_LOCK = threading.Lock()
+
+
+def _mailbox(loop: asyncio.AbstractEventLoop) -> _Mailbox:
+    with _MAILBOXES_LOCK:
+        box = _MAILBOXES.get(loop)
+        if box is None:
+            box = _MAILBOXES[loop] = _Mailbox(loop)
+        return box
+
+
 async def _iterate_in_thread(iterator: Iterator[Any], cancel: threading.Event) -> AsyncIterator[Any]:
     """Drive a blocking iterator in one worker thread; items arrive through a queue, the event loop never
     blocks. Stopping early sets ``cancel`` so the worker stops at its next item (releasing the engine)."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[tuple[Any, BaseException | None]] = asyncio.Queue()
+    mailbox = _mailbox(loop)
 
     def put(item: Any, error: BaseException | None) -> None:
         try:
-            loop.call_soon_threadsafe(queue.put_nowait, (item, error))
+            mailbox.post(queue, (item, error))
         except RuntimeError:  # the loop is closed: nobody is listening any more
             cancel.set()
 

@@ -116,3 +116,59 @@ async def test_async_forms_match_the_sync_ones(engine) -> None:
     assert (await service.agenerate(request)).text == sync.text
     deltas = [d async for d in service.astream(request)]
     assert "".join(d.content for d in deltas) == sync.text and deltas[-1].result is not None
+
+
+async def test_worker_threads_reach_the_loop_in_order_with_one_wake_up_per_burst() -> None:
+    """Items posted from many threads arrive on each queue in the order each thread posted them; while a wake-up is
+    pending, further posts ride on it instead of scheduling their own."""
+    import asyncio
+    import threading
+
+    from agent_mtp.service import _mailbox
+
+    loop = asyncio.get_running_loop()
+    box = _mailbox(loop)
+    assert _mailbox(loop) is box  # one per loop
+    wake_ups = 0
+    schedule = loop.call_soon_threadsafe
+
+    def counting(callback: Any, *args: Any) -> Any:
+        nonlocal wake_ups
+        wake_ups += 1
+        return schedule(callback, *args)
+
+    loop.call_soon_threadsafe = counting  # type: ignore[method-assign]
+    try:
+        queues: list[asyncio.Queue[int]] = [asyncio.Queue() for _ in range(6)]
+        gate = threading.Barrier(len(queues))
+
+        def producer(queue: asyncio.Queue[int]) -> None:
+            gate.wait()
+            for i in range(200):
+                box.post(queue, i)
+
+        threads = [threading.Thread(target=producer, args=(q,)) for q in queues]
+        for t in threads:
+            t.start()
+        await asyncio.to_thread(lambda: [t.join() for t in threads])
+        received = [[await asyncio.wait_for(q.get(), 5) for _ in range(200)] for q in queues]
+    finally:
+        del loop.call_soon_threadsafe
+    assert received == [list(range(200))] * len(queues)
+    assert 1 <= wake_ups < 6 * 200  # the loop ran nothing while the producers posted: far fewer wake-ups
+
+
+def test_a_closed_loop_refuses_posts() -> None:
+    import asyncio
+
+    from agent_mtp.service import _Mailbox
+
+    loop = asyncio.new_event_loop()
+    box = _Mailbox(loop)
+    queue: asyncio.Queue[int] = asyncio.Queue()
+    loop.close()
+    with pytest.raises(RuntimeError):
+        box.post(queue, 1)
+    with pytest.raises(RuntimeError):  # and stays closed, holding nothing
+        box.post(queue, 2)
+    assert box._items == []
