@@ -148,9 +148,13 @@ def _one_pass(
     feed = state.pending + draft_tokens + [setup.mask_token_id] * masks
     keep = len(draft_tokens) + masks + 1
     logits = runner.forward(feed, keep)  # [keep, V]: row 0 = last pending token
-    if setup.mask_token_id < logits.shape[-1]:
-        logits[:, setup.mask_token_id] = float("-inf")
     top = getattr(runner, "greedy", None) if cfg.temperature <= 0 else None  # the runner's argmax per row, if any
+    # The mask token is never a prediction. The runner's argmax already leaves it out; the logits need it at -inf
+    # only where something reads them: sampling, mask rows' confidences, a constraint's fallback. Writing it costs
+    # ~25 us on rows written by the compute thread's core (measured, 8 clients), a step of every sequence between
+    # two batched passes.
+    if setup.mask_token_id < logits.shape[-1] and (top is None or masks or constraint is not None):
+        logits[:, setup.mask_token_id] = float("-inf")
     stats.forward_passes += 1
     stats.k_used[masks + 1] = stats.k_used.get(masks + 1, 0) + 1
     if cfg.mode == "verified":

@@ -170,6 +170,31 @@ def test_greedy_equals_hf_runtime(engine: MTPEngine, mode: str) -> None:
         assert got == expected, (seed, mode)
 
 
+def test_the_mask_token_is_never_generated_even_where_it_is_every_rows_favourite(engine: MTPEngine) -> None:
+    """Greedy passes take the runner's argmax (mask token left out) without touching the logits; sampling and
+    ConfAdapt read the logits, where the decode loop sets the mask token's column to -inf."""
+    m = engine.mask_token_id
+    runner = engine.new_runner()
+    assert isinstance(runner, FastRunner)
+    head = runner.model.lm_head
+    biased = head.bias
+    width = runner.forward([5], 1).shape[-1]
+    head.bias = torch.zeros(width).index_fill_(0, torch.tensor([m]), 1e4)
+    try:
+        prompt = _random_ids(12, 5)
+        configs = [
+            DecodeConfig(mode="ntp", max_new_tokens=12),
+            DecodeConfig(mode="verified", k_max=4, max_new_tokens=12),
+            DecodeConfig(mode="confadapt", k_max=3, max_new_tokens=12),
+            DecodeConfig(mode="ntp", temperature=1.0, seed=3, max_new_tokens=12),
+        ]
+        for cfg in configs:
+            out = engine.generate(prompt, cfg).token_ids
+            assert out and m not in out, cfg
+    finally:
+        head.bias = biased
+
+
 def test_adapter_changes_mask_rows_only(engine: MTPEngine) -> None:
     if engine.adapter is None:
         pytest.skip("needs an adapter")
