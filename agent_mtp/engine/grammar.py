@@ -117,9 +117,9 @@ class _Vocab:
         except (ValueError, RuntimeError, TypeError) as e:
             raise GrammarError(f"xgrammar cannot read the tokenizer {type(tokenizer).__name__}: {e}") from e
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=2)
-        self.banned = _banned_tokens(tokenizer, vocab_size, stop_token_ids)  # [V] bool
-        self.banned_ids = frozenset(int(i) for i in self.banned.nonzero().flatten().tolist())
-        self.allowed_words = _pack(~self.banned)
+        banned = _banned_tokens(tokenizer, vocab_size, stop_token_ids)  # [V] bool
+        self.banned_ids = frozenset(int(i) for i in banned.nonzero().flatten().tolist())
+        self.allowed_words = _pack(~banned)
         """int32 [ceil(V/32)]: the tokens that may ever be allowed, in xgrammar's bitmask layout."""
         self._compiled: OrderedDict[GrammarSpec, Any] = OrderedDict()
         self._lock = threading.Lock()
