@@ -113,12 +113,13 @@ class BatchScheduler:
 
     # -- runners ------------------------------------------------------------------------------------------------
     def runner(self) -> BatchingRunner:
-        """A new empty sequence that takes part in every pass until :meth:`BatchingRunner.close`."""
-        runner = BatchingRunner(self)
+        """A new empty sequence. It joins the batch with its first pass and takes part in every pass until
+        :meth:`BatchingRunner.close`: passes do not wait for a generation that is still preparing its prompt
+        (chat template, tokenizer, prefix cache), which holds the GIL and the compute thread for milliseconds."""
         with self._cond:
             if self._closed:
                 raise RuntimeError("The batch scheduler is closed.")
-            self._active.add(runner)
+        runner = BatchingRunner(self)
         runner.shared_load = self.load(runner)
         return runner
 
@@ -160,6 +161,7 @@ class BatchScheduler:
         with self._cond:
             if self._closed:
                 raise RuntimeError("The batch scheduler is closed.")
+            self._active.add(job.runner)  # a sequence joins with its first pass
             self._jobs.append(job)
             self._cond.notify_all()
 
@@ -446,7 +448,10 @@ class BatchedEngine:
             return
         runner = self.scheduler.runner()
         try:
-            yield from self.engine.stream(prompt, config, constraint=constraint, runner=runner)
+            for chunk in self.engine.stream(prompt, config, constraint=constraint, runner=runner):
+                if chunk.finish_reason is not None:
+                    runner.close()  # no pass follows the last chunk: the next pass must not wait for this one
+                yield chunk
         finally:
             runner.close()
 

@@ -204,6 +204,11 @@ def test_a_pass_waits_for_a_sequence_still_in_its_decode_step(engine: MTPEngine)
     assert isinstance(scheduler, BatchScheduler)
     try:
         first, second = scheduler.runner(), scheduler.runner()
+        prefill = threading.Thread(target=second.forward, args=(_ids(5, 3), 1))
+        prefill.start()
+        first.forward(_ids(6, 1), 1)  # both in the batch now (a sequence joins with its first pass)
+        prefill.join(timeout=30)
+        before = scheduler.stats()
         scheduler._last_pass_s = 0.4  # as if passes took 400 ms: the wait is bounded at 200 ms
         late = 0.1  # a quarter of a pass (past 0.15 of one, the share that fragmented 8-client batches)
         done = threading.Event()
@@ -219,9 +224,47 @@ def test_a_pass_waits_for_a_sequence_still_in_its_decode_step(engine: MTPEngine)
         thread.join(timeout=30)
         assert done.is_set()
         stats = scheduler.stats()
-        assert (stats.passes, stats.sequences) == (1, 2)  # one pass carried both
+        assert (stats.passes - before.passes, stats.sequences - before.sequences) == (1, 2)  # one pass carried both
         first.close()
         second.close()
+    finally:
+        batched.close()
+
+
+def test_a_sequence_joins_the_batch_with_its_first_pass(engine: MTPEngine) -> None:
+    """A generation still preparing its prompt (chat template, tokenizer, prefix cache: milliseconds under the GIL)
+    is not waited for: passes wait only for sequences that have fed a pass and will feed the next."""
+    batched = BatchedEngine(engine)
+    scheduler = batched.scheduler
+    assert scheduler is not None
+    try:
+        preparing, decoding = scheduler.runner(), scheduler.runner()
+        assert scheduler.stats().active == 0
+        decoding.forward(_ids(5, 1), 1)
+        assert scheduler.stats().active == 1  # the runner that fed no pass is not in the batch
+        assert scheduler.load(preparing) == (1, 1)  # but it plans against the one that is
+        preparing.forward(_ids(4, 2), 1)
+        assert scheduler.stats().active == 2
+        preparing.close()
+        decoding.close()
+        assert scheduler.stats().active == 0
+    finally:
+        batched.close()
+
+
+def test_a_generation_leaves_the_batch_with_its_last_chunk(engine: MTPEngine) -> None:
+    """No pass follows a generation's last chunk, so the next pass must not wait for it while its caller handles
+    that chunk (the server's response, telemetry) before closing the stream."""
+    batched = BatchedEngine(engine)
+    scheduler = batched.scheduler
+    assert scheduler is not None
+    try:
+        seen_active = []
+        for chunk in batched.stream(_ids(6, 3), DecodeConfig(mode="ntp", max_new_tokens=4)):
+            seen_active.append(scheduler.stats().active)
+            if chunk.finish_reason is not None:
+                assert scheduler.stats().active == 0  # left before the caller has even asked for the end
+        assert seen_active[0] == 1 and seen_active[-1] == 0
     finally:
         batched.close()
 
