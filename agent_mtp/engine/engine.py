@@ -47,6 +47,12 @@ DRAFT_MASKS: tuple[str, ...] = ("int8", "exact")
 DRAFT_MASKS_ENV = "AGENT_MTP_DRAFT_MASKS"
 """How ``verified``'s mask rows (only drafts) are computed where the fast runtime's record paths serve a pass:
 ``int8`` (default; their inputs on an 8-bit grid per block, ~1/3 of an exact row's multiply work) or ``exact``."""
+KVCache = Literal["fp32", "fp16"]
+KV_CACHES: tuple[str, ...] = ("fp32", "fp16")
+KV_CACHE_ENV = "AGENT_MTP_KV_CACHE"
+"""What the fast runtime's KV caches hold: ``fp32`` (default; greedy output equals HF ``generate``) or ``fp16`` (half
+the bytes each pass reads from its caches: batched passes over long contexts are bound by them; keys and values are
+rounded to float16, so output may differ from the float32 model's at near-ties)."""
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
@@ -84,6 +90,7 @@ class MTPEngine:
         prefix_cache_mb: float | None = None,
         block_weights: bool = True,
         draft_masks: DraftMasks | None = None,
+        kv_cache: KVCache | None = None,
     ) -> None:
         self.loaded = loaded
         self.model = loaded.model
@@ -103,6 +110,9 @@ class MTPEngine:
         self.draft_masks: DraftMasks = draft_masks_setting(draft_masks)
         """``verified``'s mask rows on the fast runtime's record paths: "int8" (an 8-bit input grid; they are only
         drafts, which real rows check, so output is the same) or "exact"; ``$AGENT_MTP_DRAFT_MASKS`` by default."""
+        self.kv_cache: KVCache = kv_cache_setting(kv_cache, self.runtime)
+        """What the fast runtime's KV caches hold: "fp32" (exact) or "fp16" (half the bytes a pass reads from them;
+        see :data:`KV_CACHE_ENV`); ``$AGENT_MTP_KV_CACHE`` by default. Always "fp32" on the HF runtime."""
         self._fast: FastModel | None = None
         self._signature = SourceSignature(self.model)
         """The model's weight signature: the fast model and the prefix cache are reused while it holds."""
@@ -124,11 +134,13 @@ class MTPEngine:
         check_adapter_base: bool = True,
         runtime: Runtime = "auto",
         prefix_cache_mb: float | None = None,
+        kv_cache: KVCache | None = None,
     ) -> MTPEngine:
         """Load ``"default"`` (the embedded SmolLM2-135M-Instruct + its shipped MTP adapter), a hub id, or a local
         directory. ``adapter``: "auto" (the shipped adapter for the default model, or ``<dir>/mtp_adapter`` beside a
         local model), a directory, or None for the bare model with an untrained mask token. ``runtime``: "auto",
-        "fast" or "hf"; ``prefix_cache_mb``: the prefix cache's budget (see the class docstring)."""
+        "fast" or "hf"; ``prefix_cache_mb``: the prefix cache's budget (see the class docstring); ``kv_cache``:
+        "fp32" or "fp16" (:data:`KV_CACHE_ENV`)."""
         torch_dtype = _dtype(dtype)
         loaded = compute().run(  # torch work of loading runs where the passes will (engine/threads.py)
             load_model,
@@ -154,7 +166,7 @@ class MTPEngine:
                     f"model has {loaded.mask_token!r}."
                 )
                 raise AdapterError(msg + f" Pass mask_token={mtp_adapter.config.mask_token!r}.")
-        return cls(loaded, adapter=mtp_adapter, runtime=runtime, prefix_cache_mb=prefix_cache_mb)
+        return cls(loaded, adapter=mtp_adapter, runtime=runtime, prefix_cache_mb=prefix_cache_mb, kv_cache=kv_cache)
 
     # -- prompts ------------------------------------------------------------------------------------------------
     @property
@@ -299,17 +311,28 @@ class MTPEngine:
         return GenerationResult("".join(text), ids, last.finish_reason, last.stats)
 
     def with_runtime(
-        self, runtime: Runtime, *, block_weights: bool | None = None, draft_masks: DraftMasks | None = None
+        self,
+        runtime: Runtime,
+        *,
+        block_weights: bool | None = None,
+        draft_masks: DraftMasks | None = None,
+        kv_cache: KVCache | None = None,
     ) -> MTPEngine:
-        """This engine if it already runs on ``runtime`` (with ``block_weights`` and ``draft_masks``, None: this
-        engine's), else a sibling over the same model, tokenizer and adapter (for side-by-side comparisons; it has
-        its own lock and cost curve)."""
+        """This engine if it already runs on ``runtime`` (with ``block_weights``, ``draft_masks`` and ``kv_cache``,
+        None: this engine's), else a sibling over the same model, tokenizer and adapter (for side-by-side
+        comparisons; it has its own lock and cost curve). An HF sibling keeps the model's own (float32) cache."""
         blocks = self.block_weights if block_weights is None else block_weights
         masks = self.draft_masks if draft_masks is None else draft_masks
-        same = runtime == self.runtime or (runtime == "auto" and self.runtime == _resolve_runtime("auto", self.model))
-        if same and blocks == self.block_weights and masks == self.draft_masks:
+        kv = self.kv_cache if kv_cache is None else kv_cache
+        target = _resolve_runtime(runtime, self.model)
+        if target == "hf" and kv_cache is None:
+            kv = "fp32"
+        same = (target, blocks, masks, kv) == (self.runtime, self.block_weights, self.draft_masks, self.kv_cache)
+        if same:
             return self
-        return MTPEngine(self.loaded, adapter=self.adapter, runtime=runtime, block_weights=blocks, draft_masks=masks)
+        return MTPEngine(
+            self.loaded, adapter=self.adapter, runtime=runtime, block_weights=blocks, draft_masks=masks, kv_cache=kv
+        )
 
     def new_runner(self) -> Runner:
         """A runner for one sequence on this engine's runtime (the fast model is prepared on first use, and again
@@ -324,7 +347,11 @@ class MTPEngine:
             if self._fast is None or self._fast.signature != self._signature():
                 log.info("Preparing the fast runtime for %s", self.model_id)
                 self._fast = compute().run(
-                    FastModel.from_hf, self.model, mask_token_id=self.mask_token_id, blocks=self.block_weights
+                    FastModel.from_hf,
+                    self.model,
+                    mask_token_id=self.mask_token_id,
+                    blocks=self.block_weights,
+                    kv_dtype=torch.float16 if self.kv_cache == "fp16" else torch.float32,
                 )
             return self._fast
 
@@ -380,6 +407,8 @@ class MTPEngine:
             kernels += f"-r{rows}"  # the crossover the prepared model settled on
         if self.runtime != "hf" and self.draft_masks == "exact":
             kernels += "-exactmasks"  # its mask_share is 1
+        if self.runtime != "hf" and self.kv_cache == "fp16":
+            kernels += "-kv16"
         name = f"{slug}-{device}-{dtype}-{self.runtime}{kernels}-t{compute_threads()}.json"
         return cache_root() / "cost_curves" / name
 
@@ -412,6 +441,24 @@ class MTPEngine:
                         runner.coarse_masks = False
 
             return measure_cost_curve(forward_n, repeats=COST_CURVE_ROUNDS, draft_masks_n=draft_masks_n)
+
+
+def kv_cache_setting(value: str | None, runtime: str) -> KVCache:
+    """``value``, else ``$AGENT_MTP_KV_CACHE``, else "fp32"; a clear error for anything else, and for an explicit
+    "fp16" on the HF runtime (whose cache is the model's own). The environment's "fp16" leaves an HF engine at
+    "fp32" (a process may hold both runtimes: the bench's HF peer)."""
+    source = "kv_cache" if value is not None else KV_CACHE_ENV
+    raw = value if value is not None else (os.environ.get(KV_CACHE_ENV, "").strip().lower() or "fp32")
+    if raw not in KV_CACHES:
+        raise ConfigError(
+            f"{source}={raw!r} is not a KV cache precision; use 'fp32' (the default: exact) or 'fp16' (half the "
+            "bytes per pass, output may differ at near-ties)."
+        )
+    if raw == "fp16" and runtime == "hf":
+        if value is not None:
+            raise ConfigError("kv_cache='fp16' needs the fast runtime; the HF runtime keeps the model's own cache.")
+        return "fp32"
+    return cast(KVCache, raw)
 
 
 def draft_masks_setting(value: str | None) -> DraftMasks:

@@ -41,8 +41,8 @@ def build_service(settings: ServerSettings) -> Service:
         torch.set_num_threads(settings.threads)
         set_compute_threads(settings.threads)  # the passes run on the engine's compute thread
     engine = shared_engine(settings.model, adapter=settings.adapter, dtype=settings.dtype)
-    if settings.runtime != "auto":
-        engine = engine.with_runtime(settings.runtime)
+    if settings.runtime != "auto" or settings.kv_cache is not None:
+        engine = engine.with_runtime(settings.runtime, kv_cache=settings.kv_cache)
     # None: the process-wide telemetry of $AGENT_MTP_REDIS_URL (else nothing recorded), as for AgentMTPChat
     recorder = Telemetry(settings.redis_url.get_secret_value()) if settings.redis_url is not None else None
     breaker = settings.breaker_store.get_secret_value() if settings.breaker_store is not None else None

@@ -24,6 +24,9 @@ class ServerSettings(BaseSettings):
     adapter: str | None = "auto"
     dtype: Literal["float32", "bfloat16"] = "float32"
     runtime: Literal["auto", "fast", "hf"] = "auto"
+    kv_cache: Literal["fp32", "fp16"] | None = None
+    """What the fast runtime's KV caches hold: fp32 (exact) or fp16 (half the bytes each batched pass reads from
+    them; output may differ from the float32 model's at near-ties). None: ``$AGENT_MTP_KV_CACHE``, else fp32."""
     policy: str = "default"
     """The deployment's policy: a shipped name (default, latency, exact), a YAML path, or "none" (fixed decoding
     with ``mode``)."""

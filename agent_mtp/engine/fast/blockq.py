@@ -157,7 +157,7 @@ def pinned_forms() -> Wide | None:
 
 
 _SOURCE = Path(__file__).with_name("kernels") / "blockq.cpp"
-_FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared", "-std=c++20")
+_FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared", "-std=c++20")
 
 
 def _switched_on(name: str) -> bool:

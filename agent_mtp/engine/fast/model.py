@@ -42,6 +42,8 @@ log = logging.getLogger("agent_mtp.engine.fast")
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3"})
 SDPA_FROM_ROWS = 32
+KV_DTYPES = (torch.float32, torch.float16)
+"""What a :class:`KVCache` may hold (see :attr:`FastModel.kv_dtype`)."""
 """Passes of at least this many new tokens (prefill) use SDPA; shorter ones three small batched GEMMs."""
 
 
@@ -184,7 +186,17 @@ class FastModel:
     attention, KV cache, logits -- stays float32, so it is closer to the float32 model than HF's all-bfloat16
     forward, but not equal to either)."""
 
-    def __init__(self, model: Any, *, mask_token_id: int | None, prepack: bool = True, blocks: bool = True) -> None:
+    def __init__(
+        self,
+        model: Any,
+        *,
+        mask_token_id: int | None,
+        prepack: bool = True,
+        blocks: bool = True,
+        kv_dtype: torch.dtype = torch.float32,
+    ) -> None:
+        if kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype={kv_dtype} is not a KV cache dtype here; use torch.float32 or torch.float16.")
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"The fast runtime cannot run this model: {reason}.")
@@ -199,6 +211,9 @@ class FastModel:
         self.eps = float(config.rms_norm_eps)
         self.scale = 1.0 / math.sqrt(self.head_dim)
         self.max_length = int(getattr(config, "max_position_embeddings", 2048))
+        self.kv_dtype = kv_dtype
+        """What the KV caches hold: float32 (exact), or float16 (half the bytes every pass reads from its caches;
+        attention still computes in float32 on the converted values)."""
         self.mask_token_id = mask_token_id
         decoder = model.model
         self.embed = decoder.embed_tokens.weight.detach()
@@ -226,11 +241,20 @@ class FastModel:
         self._rope_lock = threading.Lock()
 
     @classmethod
-    def from_hf(cls, model: Any, *, mask_token_id: int | None, prepack: bool = True, blocks: bool = True) -> FastModel:
+    def from_hf(
+        cls,
+        model: Any,
+        *,
+        mask_token_id: int | None,
+        prepack: bool = True,
+        blocks: bool = True,
+        kv_dtype: torch.dtype = torch.float32,
+    ) -> FastModel:
         """``blocks``: also keep weights that are exactly GGUF quantization blocks as blocks, for short passes
-        (:mod:`agent_mtp.engine.fast.blockq`); False keeps only the float32 GEMM."""
+        (:mod:`agent_mtp.engine.fast.blockq`); False keeps only the float32 GEMM. ``kv_dtype``: see
+        :attr:`kv_dtype`."""
         with torch.no_grad():
-            return cls(model, mask_token_id=mask_token_id, prepack=prepack, blocks=blocks)
+            return cls(model, mask_token_id=mask_token_id, prepack=prepack, blocks=blocks, kv_dtype=kv_dtype)
 
     def _linears(self) -> list[PackedLinear]:
         projections = [p for layer in self.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
@@ -255,7 +279,14 @@ class FastModel:
         return rows
 
     def new_cache(self, capacity: int = 256) -> KVCache:
-        return KVCache(len(self.layers), self.kv_heads, self.head_dim, max_length=self.max_length, capacity=capacity)
+        return KVCache(
+            len(self.layers),
+            self.kv_heads,
+            self.head_dim,
+            max_length=self.max_length,
+            capacity=capacity,
+            dtype=self.kv_dtype,
+        )
 
     # -- preparation ----------------------------------------------------------------------------------------
     def _prepare_layer(
@@ -452,7 +483,10 @@ class FastModel:
         kv = seg.cache.layers[index]
         rows = qkv[seg.row_start : seg.row_end]
         kv[:, :, seg.start : end] = rows[:, self.q_dim :].view(n, 2, self.kv_heads, self.head_dim).permute(1, 2, 0, 3)
-        return self._attend(rows[:, : self.q_dim], kv[:, :, :end], seg.start, seg.bias)
+        cached = kv[:, :, :end]
+        if cached.dtype != torch.float32:  # a float16 cache: the values it holds, attended in float32 (as the kernel)
+            cached = cached.float()
+        return self._attend(rows[:, : self.q_dim], cached, seg.start, seg.bias)
 
     def _qk_norm(self, qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor) -> None:
         n, d = qkv.shape[0], self.head_dim

@@ -1487,49 +1487,63 @@ struct ScoreMax {
   }
 };
 
+// Eight cached keys' or values' elements as float32: the cache holds float32, or float16 (``kv_cache="fp16"``: half
+// the bytes a pass reads from it; every half converts to float32 exactly, so the sums below are the same operations).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
+// d elements of a new key or value row into the cache (float16: rounded to nearest even, as torch's conversion).
+inline void store_row(const float* from, int64_t d, float* to) { std::copy_n(from, d, to); }
+inline void store_row(const float* from, int64_t d, uint16_t* to) {
+  for (int64_t t = 0; t < d; t += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(to + t), _mm256_cvtps_ph(_mm256_loadu_ps(from + t), _MM_FROUND_TO_NEAREST_INT));
+}
+
 // scores[j] = scale * (q . keys[j]) for j in [j0, j1) (j0 a multiple of 8): keys in blocks of eight (independent
 // accumulators) below ``whole`` (the row's key count rounded down to 8), the rest one at a time. A score's operations
 // do not depend on j0 / j1, only on the row's count.
-void dot_scores(const float* q, const float* keys, int64_t j0, int64_t j1, int64_t whole, int64_t d, float scale,
+template <typename KV>
+void dot_scores(const float* q, const KV* keys, int64_t j0, int64_t j1, int64_t whole, int64_t d, float scale,
                 float* scores, ScoreMax& top) {
   const __m256 vscale = _mm256_set1_ps(scale);
   int64_t j = j0;
   for (; j + 8 <= std::min(j1, whole); j += 8) {
-    const float* kj = keys + j * d;
+    const KV* kj = keys + j * d;
     __m256 acc[8];
     for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
     for (int64_t t = 0; t < d; t += 8) {
       const __m256 qt = _mm256_loadu_ps(q + t);
-      for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(qt, _mm256_loadu_ps(kj + i * d + t), acc[i]);
+      for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(qt, load8(kj + i * d + t), acc[i]);
     }
     const __m256 s = _mm256_mul_ps(sum8(acc), vscale);
     _mm256_storeu_ps(scores + j, s);
     top.blocks = _mm256_max_ps(top.blocks, s);
   }
   for (; j < j1; ++j) {  // the last < 8 keys: the same sums, one key at a time
-    const float* kj = keys + j * d;
+    const KV* kj = keys + j * d;
     __m256 acc = _mm256_setzero_ps();
-    for (int64_t t = 0; t < d; t += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + t), _mm256_loadu_ps(kj + t), acc);
+    for (int64_t t = 0; t < d; t += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + t), load8(kj + t), acc);
     scores[j] = pair_sum(acc) * scale;
     top.tail = std::max(top.tail, scores[j]);
   }
 }
 
 // acc[0:8W] += sum_j p[j] * values[j, 0:8W] for j in [j0, j1) (rows of ``values`` are ``d`` apart), in order.
-template <int W>
-inline void weighted_values(const float* p, const float* values, int64_t j0, int64_t j1, int64_t d, float* out) {
+template <int W, typename KV>
+inline void weighted_values(const float* p, const KV* values, int64_t j0, int64_t j1, int64_t d, float* out) {
   __m256 acc[W];
   for (int t = 0; t < W; ++t) acc[t] = _mm256_loadu_ps(out + 8 * t);
   for (int64_t j = j0; j < j1; ++j) {
     const __m256 pj = _mm256_broadcast_ss(p + j);
-    const float* vj = values + j * d;
-    for (int t = 0; t < W; ++t) acc[t] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * t), acc[t]);
+    const KV* vj = values + j * d;
+    for (int t = 0; t < W; ++t) acc[t] = _mm256_fmadd_ps(pj, load8(vj + 8 * t), acc[t]);
   }
   for (int t = 0; t < W; ++t) _mm256_storeu_ps(out + 8 * t, acc[t]);
 }
 
 // Every 64-dimension slice of acc[0:d] += sum_j p[j] * values[j] over [j0, j1) (8 accumulators in registers).
-void weighted_range(const float* p, const float* values, int64_t j0, int64_t j1, int64_t d, float* acc) {
+template <typename KV>
+void weighted_range(const float* p, const KV* values, int64_t j0, int64_t j1, int64_t d, float* acc) {
   for (int64_t c = 0; c < d; c += 64) {
     switch (std::min<int64_t>(64, d - c) / 8) {
       case 8: weighted_values<8>(p, values + c, j0, j1, d, acc + c); break;
@@ -1600,18 +1614,23 @@ inline __m512 sum8(const __m512* a) {
   return _mm512_add_ps(_mm512_permutex2var_ps(s0123, low, s4567), _mm512_permutex2var_ps(s0123, high, s4567));
 }
 
+// Sixteen cached elements as float32 (see load8).
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+
 // Scores of rows a and b for the key blocks [j0, j1) (multiples of 8): dot_scores' block operations, a low, b high.
-void dot_pair(const float* qa, const float* qb, const float* keys, int64_t j0, int64_t j1, int64_t d, float scale,
+template <typename KV>
+void dot_pair(const float* qa, const float* qb, const KV* keys, int64_t j0, int64_t j1, int64_t d, float scale,
               float* sa, float* sb, ScoreMax& ta, ScoreMax& tb) {
   const __m512 vscale = _mm512_set1_ps(scale);
   for (int64_t j = j0; j < j1; j += 8) {
-    const float* kj = keys + j * d;
+    const KV* kj = keys + j * d;
     __m512 acc[8];
     for (int i = 0; i < 8; ++i) acc[i] = _mm512_setzero_ps();
     for (int64_t t = 0; t < d; t += 8) {
       const __m512 qt = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(qa + t)), _mm256_loadu_ps(qb + t), 1);
       for (int i = 0; i < 8; ++i)
-        acc[i] = _mm512_fmadd_ps(qt, _mm512_broadcast_f32x8(_mm256_loadu_ps(kj + i * d + t)), acc[i]);
+        acc[i] = _mm512_fmadd_ps(qt, _mm512_broadcast_f32x8(load8(kj + i * d + t)), acc[i]);
     }
     const __m512 sc = _mm512_mul_ps(sum8(acc), vscale);
     const __m256 lo = _mm512_castps512_ps256(sc), hi = _mm512_extractf32x8_ps(sc, 1);
@@ -1624,16 +1643,15 @@ void dot_pair(const float* qa, const float* qb, const float* keys, int64_t j0, i
 
 // acc[r][0:d] += sum_j p[r][j] * values[j] for j in [j0, j1) and R rows (d a multiple of 64): each value row read
 // once for all of them.
-template <int R>
-void weighted_rows(const float* const* p, const float* values, int64_t j0, int64_t j1, int64_t d, float* const* out) {
+template <int R, typename KV>
+void weighted_rows(const float* const* p, const KV* values, int64_t j0, int64_t j1, int64_t d, float* const* out) {
   for (int64_t c = 0; c < d; c += 64) {
     __m512 acc[R][4];
     for (int r = 0; r < R; ++r)
       for (int t = 0; t < 4; ++t) acc[r][t] = _mm512_loadu_ps(out[r] + c + 16 * t);
     for (int64_t j = j0; j < j1; ++j) {
-      const float* vj = values + j * d + c;
-      const __m512 v0 = _mm512_loadu_ps(vj), v1 = _mm512_loadu_ps(vj + 16), v2 = _mm512_loadu_ps(vj + 32),
-                   v3 = _mm512_loadu_ps(vj + 48);
+      const KV* vj = values + j * d + c;
+      const __m512 v0 = load16(vj), v1 = load16(vj + 16), v2 = load16(vj + 32), v3 = load16(vj + 48);
       for (int r = 0; r < R; ++r) {
         const __m512 pj = _mm512_set1_ps(p[r][j]);
         acc[r][0] = _mm512_fmadd_ps(pj, v0, acc[r][0]);
@@ -1647,7 +1665,8 @@ void weighted_rows(const float* const* p, const float* values, int64_t j0, int64
   }
 }
 
-void weighted_common(int64_t n, const float* const* p, const float* values, int64_t j0, int64_t j1, int64_t d,
+template <typename KV>
+void weighted_common(int64_t n, const float* const* p, const KV* values, int64_t j0, int64_t j1, int64_t d,
                      float* const* out) {
   switch (n) {
     case 4: weighted_rows<4>(p, values, j0, j1, d, out); break;
@@ -1664,7 +1683,8 @@ void weighted_common(int64_t n, const float* const* p, const float* values, int6
 // [0, count[i]) and writes out[i]. Key chunks outer, pairs inner: each chunk is read from memory once for all n pairs
 // (a sequence's rows, and the query heads of a group), while every pair's result is the same sequence of operations
 // as if it ran alone (with AVX-512, pairs share registers too). ``scratch``: n * (max count + 8) + n * d floats.
-void attend_rows(const float* const* q, const int64_t* count, int64_t n, const float* keys, const float* values,
+template <typename KV>
+void attend_rows(const float* const* q, const int64_t* count, int64_t n, const KV* keys, const KV* values,
                  int64_t d, float scale, float* const* out, float* scratch) {
   const int64_t longest = *std::max_element(count, count + n), shortest = *std::min_element(count, count + n);
   const int64_t stride = longest + 8;
@@ -1741,32 +1761,40 @@ at::Tensor attend_pairs(const at::Tensor& qkv, const at::Tensor& pairs, at::Tens
   TORCH_CHECK(pairs.scalar_type() == at::kFloat && pairs.is_contiguous() && pairs.numel() == n * d,
               "rope must be contiguous complex [", n, ", 1, d / 2]");
   std::vector<int64_t> first_row(segments + 1, 0);
+  TORCH_CHECK(segments >= 1, "attend needs at least one cache");
+  const bool half = caches[0].scalar_type() == at::kHalf;
   for (int64_t s = 0; s < segments; ++s) {
     const at::Tensor& kv = caches[s];
     TORCH_CHECK(kv.dim() == 4 && kv.size(0) == 2 && kv.size(1) == kv_heads && kv.size(3) == d &&
-                    kv.scalar_type() == at::kFloat && kv.is_contiguous() && starts[s] >= 0 &&
-                    starts[s] + rows[s] <= kv.size(2) && rows[s] >= 1,
-                "cache ", s, " must be a contiguous float32 [2, ", kv_heads, ", capacity, ", d,
-                "] tensor with room for positions ", starts[s], "..", starts[s] + rows[s]);
+                    kv.scalar_type() == caches[0].scalar_type() &&
+                    (kv.scalar_type() == at::kFloat || kv.scalar_type() == at::kHalf) && kv.is_contiguous() &&
+                    starts[s] >= 0 && starts[s] + rows[s] <= kv.size(2) && rows[s] >= 1,
+                "cache ", s, " must be a contiguous float32 or float16 [2, ", kv_heads, ", capacity, ", d,
+                "] tensor (all of one dtype) with room for positions ", starts[s], "..", starts[s] + rows[s]);
     first_row[s + 1] = first_row[s] + rows[s];
   }
   float* base = qkv.data_ptr<float>();
   const int64_t ld = qkv.stride(0);
   const float* rp = pairs.data_ptr<float>();
   int64_t work = 0;
-  for (int64_t s = 0; s < segments; ++s) {
-    float* kv = caches[s].data_ptr<float>();
+  const auto write_rows = [&](auto* kv, int64_t s) {
     const int64_t capacity = caches[s].size(2);
     for (int64_t i = 0; i < rows[s]; ++i) {
       const int64_t r = first_row[s] + i, position = starts[s] + i;
       float* row = base + r * ld;
       rotate(row, num_heads + kv_heads, d, rp + r * d);
       for (int64_t h = 0; h < kv_heads; ++h) {
-        std::copy_n(row + q_dim + h * d, d, kv + (h * capacity + position) * d);
-        std::copy_n(row + q_dim + kv_dim + h * d, d, kv + ((kv_heads + h) * capacity + position) * d);
+        store_row(row + q_dim + h * d, d, kv + (h * capacity + position) * d);
+        store_row(row + q_dim + kv_dim + h * d, d, kv + ((kv_heads + h) * capacity + position) * d);
       }
       work += (position + 1) * num_heads * d;
     }
+  };
+  for (int64_t s = 0; s < segments; ++s) {
+    if (half)
+      write_rows(reinterpret_cast<uint16_t*>(caches[s].data_ptr<at::Half>()), s);
+    else
+      write_rows(caches[s].data_ptr<float>(), s);
   }
   at::Tensor out = at::empty({n, q_dim}, qkv.options());
   float* op = out.data_ptr<float>();
@@ -1800,10 +1828,16 @@ at::Tensor attend_pairs(const at::Tensor& qkv, const at::Tensor& pairs, at::Tens
           o[pairs] = op + r * q_dim + h * d;
           count[pairs] = starts[s] + (r - first_row[s]) + 1;
         }
-      const float* kv = caches[s].data_ptr<float>();
       const int64_t capacity = caches[s].size(2), g = h0 / groups;
-      attend_rows(q, count, pairs, kv + g * capacity * d, kv + (kv_heads + g) * capacity * d, d,
-                  static_cast<float>(scale), o, scratch.data());
+      if (half) {
+        const uint16_t* kv = reinterpret_cast<const uint16_t*>(caches[s].data_ptr<at::Half>());
+        attend_rows(q, count, pairs, kv + g * capacity * d, kv + (kv_heads + g) * capacity * d, d,
+                    static_cast<float>(scale), o, scratch.data());
+      } else {
+        const float* kv = caches[s].data_ptr<float>();
+        attend_rows(q, count, pairs, kv + g * capacity * d, kv + (kv_heads + g) * capacity * d, d,
+                    static_cast<float>(scale), o, scratch.data());
+      }
     }
   };
   if (work < (1 << 16)) {  // under ~64k multiply-adds the whole call stays on this thread
