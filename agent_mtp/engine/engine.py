@@ -443,17 +443,22 @@ class MTPEngine:
             return measure_cost_curve(forward_n, repeats=COST_CURVE_ROUNDS, draft_masks_n=draft_masks_n)
 
 
+def _choice(name: str, value: str | None, env: str, choices: tuple[str, ...], default: str, hint: str) -> str:
+    """``value``, else ``$env``, else ``default``; a :class:`ConfigError` naming the source and ``hint`` otherwise."""
+    source = name if value is not None else env
+    raw = value if value is not None else (os.environ.get(env, "").strip().lower() or default)
+    if raw not in choices:
+        raise ConfigError(f"{source}={raw!r} is not {hint}.")
+    return raw
+
+
 def kv_cache_setting(value: str | None, runtime: str) -> KVCache:
     """``value``, else ``$AGENT_MTP_KV_CACHE``, else "fp32"; a clear error for anything else, and for an explicit
     "fp16" on the HF runtime (whose cache is the model's own). The environment's "fp16" leaves an HF engine at
     "fp32" (a process may hold both runtimes: the bench's HF peer)."""
-    source = "kv_cache" if value is not None else KV_CACHE_ENV
-    raw = value if value is not None else (os.environ.get(KV_CACHE_ENV, "").strip().lower() or "fp32")
-    if raw not in KV_CACHES:
-        raise ConfigError(
-            f"{source}={raw!r} is not a KV cache precision; use 'fp32' (the default: exact) or 'fp16' (half the "
-            "bytes per pass, output may differ at near-ties)."
-        )
+    hint = "a KV cache precision; use 'fp32' (the default: exact) or 'fp16' (half the bytes per pass, output may "
+    hint += "differ at near-ties)"
+    raw = _choice("kv_cache", value, KV_CACHE_ENV, KV_CACHES, "fp32", hint)
     if raw == "fp16" and runtime == "hf":
         if value is not None:
             raise ConfigError("kv_cache='fp16' needs the fast runtime; the HF runtime keeps the model's own cache.")
@@ -463,14 +468,9 @@ def kv_cache_setting(value: str | None, runtime: str) -> KVCache:
 
 def draft_masks_setting(value: str | None) -> DraftMasks:
     """``value``, else ``$AGENT_MTP_DRAFT_MASKS``, else "int8"; a clear error for anything else."""
-    source = "draft_masks" if value is not None else DRAFT_MASKS_ENV
-    raw = value if value is not None else (os.environ.get(DRAFT_MASKS_ENV, "").strip().lower() or "int8")
-    if raw not in DRAFT_MASKS:
-        raise ConfigError(
-            f"{source}={raw!r} is not a way to compute verified's mask rows; use 'int8' (the default: drafts on an "
-            "8-bit grid, same output) or 'exact'."
-        )
-    return cast(DraftMasks, raw)
+    hint = "a way to compute verified's mask rows; use 'int8' (the default: drafts on an 8-bit grid, same output) or "
+    hint += "'exact'"
+    return cast(DraftMasks, _choice("draft_masks", value, DRAFT_MASKS_ENV, DRAFT_MASKS, "int8", hint))
 
 
 def prefix_cache_mb_setting(value: float | None) -> float:
