@@ -143,3 +143,21 @@ def test_the_kv_cache_setting_is_validated(
     monkeypatch.setenv(KV_CACHE_ENV, "int4")
     with pytest.raises(ConfigError, match=f"{KV_CACHE_ENV}='int4'"):
         kv_cache_setting(None, "fast")
+
+
+def test_a_server_setting_picks_the_kv_cache(
+    engines: tuple[MTPEngine, MTPEngine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``agent-mtp serve --kv-cache fp16`` (``ServerSettings.kv_cache``) serves a float16-cache sibling of the shared
+    engine; unset, the shared engine as loaded."""
+    from agent_mtp import service
+    from agent_mtp.server import app
+    from agent_mtp.server.settings import ServerSettings
+
+    full, _ = engines
+    monkeypatch.setattr(service, "shared_engine", lambda *args, **kwargs: full)
+    served = app.build_service(ServerSettings(kv_cache="fp16"))
+    assert served.engine.kv_cache == "fp16" and served.engine.loaded is full.loaded
+    assert app.build_service(ServerSettings()).engine is full
+    with pytest.raises(ValueError, match="kv_cache"):
+        ServerSettings(kv_cache="fp8")  # type: ignore[arg-type]

@@ -42,9 +42,9 @@ log = logging.getLogger("agent_mtp.engine.fast")
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3"})
 SDPA_FROM_ROWS = 32
+"""Passes of at least this many new tokens (prefill) use SDPA; shorter ones three small batched GEMMs."""
 KV_DTYPES = (torch.float32, torch.float16)
 """What a :class:`KVCache` may hold (see :attr:`FastModel.kv_dtype`)."""
-"""Passes of at least this many new tokens (prefill) use SDPA; shorter ones three small batched GEMMs."""
 
 
 @dataclass(frozen=True)
