@@ -1683,6 +1683,17 @@ void weighted_common(int64_t n, const float* const* p, const KV* values, int64_t
 // [0, count[i]) and writes out[i]. Key chunks outer, pairs inner: each chunk is read from memory once for all n pairs
 // (a sequence's rows, and the query heads of a group), while every pair's result is the same sequence of operations
 // as if it ran alone (with AVX-512, pairs share registers too). ``scratch``: n * (max count + 8) + n * d floats.
+// Ask for rows [from, to) of a key or value head (d elements each) ahead of their use: a pass streams each sequence's
+// cache once, one task after another, and on the 2-core VMs measured the hardware prefetchers alone left the cores
+// waiting on it (one layer's attention over 8 caches of 500 positions: ~2.5x the time it takes with them in L2).
+// Prefetches change no result.
+template <typename KV>
+inline void prefetch_rows(const KV* rows, int64_t from, int64_t to, int64_t d) {
+  const char* begin = reinterpret_cast<const char*>(rows + from * d);
+  const char* end = reinterpret_cast<const char*>(rows + to * d);
+  for (const char* line = begin; line < end; line += 64) _mm_prefetch(line, _MM_HINT_T0);
+}
+
 template <typename KV>
 void attend_rows(const float* const* q, const int64_t* count, int64_t n, const KV* keys, const KV* values,
                  int64_t d, float scale, float* const* out, float* scratch) {
@@ -1692,6 +1703,10 @@ void attend_rows(const float* const* q, const int64_t* count, int64_t n, const K
   float* acc = scratch + n * stride;
   ScoreMax tops[kPairsPerTask];
   for (int64_t j0 = 0; j0 < longest; j0 += kKeyChunk) {
+    if (j0 + kKeyChunk < longest)  // the next chunk of keys, else the first of values
+      prefetch_rows(keys, j0 + kKeyChunk, std::min(j0 + 2 * kKeyChunk, longest), d);
+    else
+      prefetch_rows(values, 0, std::min(kKeyChunk, longest), d);
     int64_t i = 0;
     for (; wide_rows && i + 1 < n; i += 2) {  // pairs i and i + 1: whole blocks of both together, the rest alone
       const int64_t both = std::max(j0, std::min(j0 + kKeyChunk, std::min(count[i], count[i + 1]) / 8 * 8));
@@ -1717,6 +1732,7 @@ void attend_rows(const float* const* q, const int64_t* count, int64_t n, const K
     std::fill_n(a[i], d, 0.0f);
   }
   for (int64_t j0 = 0; j0 < longest; j0 += kKeyChunk) {
+    if (j0 + kKeyChunk < longest) prefetch_rows(values, j0 + kKeyChunk, std::min(j0 + 2 * kKeyChunk, longest), d);
     // keys every pair attends, for up to 4 pairs at once, then each pair's own last keys
     const int64_t common = wide_rows && d % 64 == 0 ? std::max(j0, std::min(j0 + kKeyChunk, shortest)) : j0;
     if (common > j0)
