@@ -96,12 +96,14 @@ def _conversations(seed: int = 0) -> list[list[int]]:
     return [step1, step2, step2, other, step1, system + step2[30:36]]
 
 
-@pytest.fixture(scope="module", params=["fast", "hf"])
+@pytest.fixture(scope="module", params=["fast", "fast-fp16", "hf"])
 def engines(request: pytest.FixtureRequest) -> tuple[MTPEngine, MTPEngine]:
+    """fast-fp16: float16 KV caches (the cache keeps their halves)."""
     base = tiny_engine(adapter=True)
     loaded = LoadedModel(base.model, base.tokenizer, "tiny", base.mask_token, base.mask_token_id, False)
-    cached = MTPEngine(loaded, adapter=base.adapter, runtime=request.param, prefix_cache_mb=64)
-    plain = MTPEngine(loaded, adapter=base.adapter, runtime=request.param, prefix_cache_mb=0)
+    runtime, kv = ("fast", "fp16") if request.param == "fast-fp16" else (request.param, None)
+    cached = MTPEngine(loaded, adapter=base.adapter, runtime=runtime, prefix_cache_mb=64, kv_cache=kv)
+    plain = MTPEngine(loaded, adapter=base.adapter, runtime=runtime, prefix_cache_mb=0, kv_cache=kv)
     return cached, plain
 
 
