@@ -1490,13 +1490,16 @@ struct ScoreMax {
 // Eight cached keys' or values' elements as float32: the cache holds float32, or float16 (``kv_cache="fp16"``: half
 // the bytes a pass reads from it; every half converts to float32 exactly, so the sums below are the same operations).
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline __m256 load8(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
 
 // d elements of a new key or value row into the cache (float16: rounded to nearest even, as torch's conversion).
 inline void store_row(const float* from, int64_t d, float* to) { std::copy_n(from, d, to); }
 inline void store_row(const float* from, int64_t d, uint16_t* to) {
   for (int64_t t = 0; t < d; t += 8)
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(to + t), _mm256_cvtps_ph(_mm256_loadu_ps(from + t), _MM_FROUND_TO_NEAREST_INT));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(to + t),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(from + t), _MM_FROUND_TO_NEAREST_INT));
 }
 
 // scores[j] = scale * (q . keys[j]) for j in [j0, j1) (j0 a multiple of 8): keys in blocks of eight (independent
@@ -1616,7 +1619,9 @@ inline __m512 sum8(const __m512* a) {
 
 // Sixteen cached elements as float32 (see load8).
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline __m512 load16(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
 
 // Scores of rows a and b for the key blocks [j0, j1) (multiples of 8): dot_scores' block operations, a low, b high.
 template <typename KV>
@@ -1679,10 +1684,6 @@ void weighted_common(int64_t n, const float* const* p, const KV* values, int64_t
 }  // namespace wide
 #pragma GCC pop_options
 
-// Causal softmax attention of n (row, head) pairs sharing one key / value head: query q[i] attends keys / values
-// [0, count[i]) and writes out[i]. Key chunks outer, pairs inner: each chunk is read from memory once for all n pairs
-// (a sequence's rows, and the query heads of a group), while every pair's result is the same sequence of operations
-// as if it ran alone (with AVX-512, pairs share registers too). ``scratch``: n * (max count + 8) + n * d floats.
 // Ask for rows [from, to) of a key or value head (d elements each) ahead of their use: a pass streams each sequence's
 // cache once, one task after another, and on the 2-core VMs measured the hardware prefetchers alone left the cores
 // waiting on it (one layer's attention over 8 caches of 500 positions: ~2.5x the time it takes with them in L2).
@@ -1694,6 +1695,10 @@ inline void prefetch_rows(const KV* rows, int64_t from, int64_t to, int64_t d) {
   for (const char* line = begin; line < end; line += 64) _mm_prefetch(line, _MM_HINT_T0);
 }
 
+// Causal softmax attention of n (row, head) pairs sharing one key / value head: query q[i] attends keys / values
+// [0, count[i]) and writes out[i]. Key chunks outer, pairs inner: each chunk is read from memory once for all n pairs
+// (a sequence's rows, and the query heads of a group), while every pair's result is the same sequence of operations
+// as if it ran alone (with AVX-512, pairs share registers too). ``scratch``: n * (max count + 8) + n * d floats.
 template <typename KV>
 void attend_rows(const float* const* q, const int64_t* count, int64_t n, const KV* keys, const KV* values,
                  int64_t d, float scale, float* const* out, float* scratch) {
