@@ -89,11 +89,15 @@ def api_key_check(settings: ServerSettings) -> Callable[[Request], None]:
 
 
 def health_body(serving: ChatServing, settings: ServerSettings) -> dict[str, Any]:
-    """What /health says of a serving process: its model, admission and batching counters."""
+    """What /health says of a serving process: its model (and the runtime and KV cache precision it runs with, so a
+    load test's report says what it measured), admission and batching counters."""
     admission = serving.admission
+    engine = serving.service.engine
     body: dict[str, Any] = {
         "status": "ok",
         "model": settings.model_name,
+        "runtime": engine.runtime,
+        "kv_cache": engine.kv_cache,
         "active": admission.active,
         "queued": admission.waiting,
     }

@@ -357,7 +357,10 @@ def markdown(summaries: Sequence[dict[str, Any]], extra: dict[str, Any]) -> str:
     tail = "\nNTP aggregate tokens/s over one client's: " + ", ".join(
         f"{c} clients {r:.2f}x" for c, r in scaling.items()
     )
-    batching = (extra.get("server_at_end") or {}).get("batching")
+    server = extra.get("server_at_end") or {}
+    if server.get("runtime"):
+        tail += f"\nServer runtime: {server['runtime']}, KV cache {server.get('kv_cache', 'fp32')}."
+    batching = server.get("batching")
     if batching:
         passes, mean = batching["passes"], batching["mean_batch"]
         tail += f"\nServer: {passes} batched passes, {mean:.2f} sequences per pass on average."
