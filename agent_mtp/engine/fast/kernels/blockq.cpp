@@ -1850,15 +1850,14 @@ at::Tensor attend_pairs(const at::Tensor& qkv, const at::Tensor& pairs, at::Tens
           count[pairs] = starts[s] + (r - first_row[s]) + 1;
         }
       const int64_t capacity = caches[s].size(2), g = h0 / groups;
-      if (half) {
-        const uint16_t* kv = reinterpret_cast<const uint16_t*>(caches[s].data_ptr<at::Half>());
+      const auto attend_group = [&](const auto* kv) {
         attend_rows(q, count, pairs, kv + g * capacity * d, kv + (kv_heads + g) * capacity * d, d,
                     static_cast<float>(scale), o, scratch.data());
-      } else {
-        const float* kv = caches[s].data_ptr<float>();
-        attend_rows(q, count, pairs, kv + g * capacity * d, kv + (kv_heads + g) * capacity * d, d,
-                    static_cast<float>(scale), o, scratch.data());
-      }
+      };
+      if (half)
+        attend_group(reinterpret_cast<const uint16_t*>(caches[s].data_ptr<at::Half>()));
+      else
+        attend_group(caches[s].data_ptr<float>());
     }
   };
   if (work < (1 << 16)) {  // under ~64k multiply-adds the whole call stays on this thread
