@@ -317,8 +317,21 @@ def test_fused_layers_give_the_python_loops_numbers(adapter: bool) -> None:
     m = engine.mask_token_id
     cf, cl = fused.new_cache(), loop.new_cache()
     assert torch.equal(fused.forward(_random_ids(20, seed=7), cf, 2), loop.forward(_random_ids(20, seed=7), cl, 2))
-    for tokens in ([5], [7, m], [9, 3, 8], [11, m, m, m], [1, 2], [m, 4, m, 6]):  # the last: mask rows not contiguous
-        assert torch.equal(fused.forward(tokens, cf, len(tokens)), loop.forward(tokens, cl, len(tokens)))
+    # the last two: mask rows not contiguous; masks as drafts (the adapter's bfloat16 factor there)
+    for tokens, drafts in (
+        ([5], False),
+        ([7, m], False),
+        ([9, 3, 8], False),
+        ([11, m, m, m], False),
+        ([1, 2], False),
+        ([m, 4, m, 6], False),
+        ([3, m, m], True),
+        ([m, 2, m], True),
+    ):
+        assert torch.equal(
+            fused.forward(tokens, cf, len(tokens), coarse_masks=drafts),
+            loop.forward(tokens, cl, len(tokens), coarse_masks=drafts),
+        )
         layers = zip(cf.layers, cl.layers, strict=True)
         assert all(torch.equal(a[:, :, : cf.length], b[:, :, : cl.length]) for a, b in layers)
         cf.truncate(cf.length - 1)
@@ -340,9 +353,19 @@ def test_fused_layers_serve_a_batch_with_the_python_loops_numbers(adapter: bool)
     for model in (fused, loop):
         for ids, cache in zip(prompts, caches[id(model)], strict=True):
             model.forward(ids, cache, 1)
-    for step in ([[5], [7, m], [9]], [[3, m, m], [4], [m, 8]]):  # 4 and 6 rows; masks in several sequences
-        a = fused.forward_batch([BatchItem(t, c, len(t)) for t, c in zip(step, caches[id(fused)], strict=True)])
-        b = loop.forward_batch([BatchItem(t, c, len(t)) for t, c in zip(step, caches[id(loop)], strict=True)])
+    # 4, 6 and 4 rows (two sequences); masks in several sequences; in the last step the first sequence's masks are
+    # only drafts (the adapter's bfloat16 factor at those rows), the second's exact (float32)
+    steps = [[[5], [7, m], [9]], [[3, m, m], [4], [m, 8]], [[2, m], [6, m]]]
+    for step, drafts in zip(steps, [(), (), (0,)], strict=True):
+        a, b = (
+            model.forward_batch(
+                [
+                    BatchItem(t, c, len(t), i in drafts)
+                    for i, (t, c) in enumerate(zip(step, caches[id(model)][: len(step)], strict=True))
+                ]
+            )
+            for model in (fused, loop)
+        )
         assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
         for cf, cl in zip(caches[id(fused)], caches[id(loop)], strict=True):
             layers = zip(cf.layers, cl.layers, strict=True)
@@ -488,6 +511,76 @@ def test_low_rank_delta_at_the_mask_runs_matches_addmm() -> None:
         torch.ops.agent_mtp_blockq.low_rank_add(y[:, :21], y[:, 21:], b_t, [8, 10])
     with pytest.raises(RuntimeError, match="low must be"):
         torch.ops.agent_mtp_blockq.low_rank_add(y[:, :21], y[:, 20:], b_t, [0, 1])
+
+
+def _block_diagonal(out_sizes: list[int], rank: int, seed: int = 0) -> torch.Tensor:
+    """A fused projection's B^T [parts x rank, sum(out)]: each part's rank rows reach only its own outputs."""
+    g = torch.Generator().manual_seed(seed)
+    b_t = torch.zeros(rank * len(out_sizes), sum(out_sizes))
+    o0 = 0
+    for i, size in enumerate(out_sizes):
+        b_t[i * rank : (i + 1) * rank, o0 : o0 + size] = torch.randn(rank, size, generator=g)
+        o0 += size
+    return b_t
+
+
+def test_low_rank_spans_name_the_rank_rows_each_64_outputs_reach() -> None:
+    from agent_mtp.engine.fast.weights import low_rank_spans
+
+    b_t = _block_diagonal([128, 64, 64], rank=4)  # qkv-like: parts of 128, 64 and 64 outputs
+    expected = [[0, 4], [0, 4], [4, 8], [8, 12]]
+    assert low_rank_spans(b_t).tolist() == expected
+    assert torch.ops.agent_mtp_blockq.low_rank_spans(b_t).tolist() == expected
+    b_t[:, 64:128] = 0  # a slice no rank row reaches: empty
+    b_t[1, 0] = 0  # an interior zero inside a span changes nothing
+    assert low_rank_spans(b_t).tolist()[:2] == [[0, 4], [0, 0]]
+    assert torch.ops.agent_mtp_blockq.low_rank_spans(b_t).tolist()[:2] == [[0, 4], [0, 0]]
+    ragged = torch.randn(3, 70)  # a last slice of 6 outputs
+    assert low_rank_spans(ragged).tolist() == [[0, 3], [0, 3]]
+
+
+@pytest.mark.parametrize("out_sizes", [[128, 64, 64], [21, 13, 8]], ids=["avx512-tiles", "ragged"])
+def test_low_rank_delta_reads_only_its_spans_and_gives_the_same_numbers(out_sizes: list[int]) -> None:
+    """Skipping the all-zero rank rows of a block-diagonal B^T (spans) leaves every number as it was."""
+    b_t = _block_diagonal(out_sizes, rank=4, seed=1)
+    out, rank = b_t.shape[1], b_t.shape[0]
+    y = torch.randn(7, out + rank, generator=torch.Generator().manual_seed(2))
+    runs = [1, 3, 4, 7]
+    plain, spanned = y.clone(), y.clone()
+    torch.ops.agent_mtp_blockq.low_rank_add(plain[:, :out], plain[:, out:], b_t, runs)
+    spans = torch.ops.agent_mtp_blockq.low_rank_spans(b_t)
+    torch.ops.agent_mtp_blockq.low_rank_add(spanned[:, :out], spanned[:, out:], b_t, runs, None, spans)
+    assert torch.equal(spanned, plain)
+    expected = y[:, :out].clone()
+    for r0, r1 in ((1, 3), (4, 7)):
+        expected[r0:r1] += y[r0:r1, out:] @ b_t
+    torch.testing.assert_close(spanned[:, :out], expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("out_sizes", [[128, 64, 64], [21, 13, 8]], ids=["avx512-tiles", "ragged"])
+def test_draft_rows_take_the_bfloat16_factor_and_exact_rows_keep_float32(out_sizes: list[int]) -> None:
+    """Rows flagged as drafts get the delta of B^T rounded to bfloat16 (the kernel's own float32 product of the
+    rounded factor, bit for bit); every other row the float32 factor's bits, also in a run that mixes both."""
+    b_t = _block_diagonal(out_sizes, rank=4, seed=3)
+    out, rank = b_t.shape[1], b_t.shape[0]
+    draft = b_t.to(torch.bfloat16)
+    spans = torch.ops.agent_mtp_blockq.low_rank_spans(b_t)
+    y = torch.randn(9, out + rank, generator=torch.Generator().manual_seed(4))
+    runs, coarse = [1, 9], [3, 6]  # one run of 8 mask rows, rows 3-5 drafts
+    mixed, exact, rounded = y.clone(), y.clone(), y.clone()
+    torch.ops.agent_mtp_blockq.low_rank_add(mixed[:, :out], mixed[:, out:], b_t, runs, draft, spans, coarse)
+    torch.ops.agent_mtp_blockq.low_rank_add(exact[:, :out], exact[:, out:], b_t, runs, None, spans)
+    torch.ops.agent_mtp_blockq.low_rank_add(rounded[:, :out], rounded[:, out:], draft.float(), runs, None, spans)
+    drafts, others = [3, 4, 5], [0, 1, 2, 6, 7, 8]
+    assert torch.equal(mixed[drafts], rounded[drafts])
+    assert torch.equal(mixed[others], exact[others])
+    assert not torch.equal(mixed[drafts], exact[drafts])
+    torch.testing.assert_close(mixed[drafts], exact[drafts], atol=2e-2, rtol=2e-2)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        torch.ops.agent_mtp_blockq.low_rank_add(mixed[:, :out], mixed[:, out:], b_t, runs, b_t, spans, coarse)
+    with pytest.raises(RuntimeError, match="spans"):
+        short = spans.flatten()[:1]
+        torch.ops.agent_mtp_blockq.low_rank_add(mixed[:, :out], mixed[:, out:], b_t, runs, draft, short, coarse)
 
 
 def _reference_attention(

@@ -535,7 +535,7 @@ class FastModel:
 
 
 def _fused_weights(layers: Sequence[_Layer]) -> list[torch.Tensor] | None:
-    """The 30 tensors per layer ``decode_layers`` reads (kernels/blockq.cpp), or None where a layer is not plain
+    """The 38 tensors per layer ``decode_layers`` reads (kernels/blockq.cpp), or None where a layer is not plain
     Q4_1 blocks (no bias, no q/k norm, nothing padded or computed apart): those passes run :meth:`FastModel._layer`."""
     fused: list[torch.Tensor] = []
     none = torch.empty(0)
@@ -557,6 +557,9 @@ def _fused_weights(layers: Sequence[_Layer]) -> list[torch.Tensor] | None:
         for proj in (layer.qkv, layer.o, layer.gate_up, layer.down):
             tiles = proj.linear.blocks.tiles if proj.linear.blocks is not None else None
             fused.append(tiles if tiles is not None else none)
+        for proj in (layer.qkv, layer.o, layer.gate_up, layer.down):
+            fused.append(proj.b_draft if proj.b_draft is not None else none)
+            fused.append(proj.b_spans if proj.b_spans is not None else none)
     return fused
 
 

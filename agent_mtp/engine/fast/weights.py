@@ -387,13 +387,21 @@ class Projection:
         self.out_features = int(weight.shape[0])
         self.a: torch.Tensor | None = None
         self.b_t: torch.Tensor | None = None
+        self.b_draft: torch.Tensor | None = None
+        """``B^T`` in bfloat16, for mask rows that are only drafts (``coarse``): half the bytes a masked pass reads
+        for the delta, and a draft's numbers need not be exact (``verified`` checks every drafted token)."""
+        self.b_spans: torch.Tensor | None = None
+        """Per 64 outputs, the rank rows of ``B^T`` that are not all zero (a fused projection's ``B^T`` is block
+        diagonal): the kernel reads only those (:func:`low_rank_spans`)."""
         if lora is not None:
             a, b_t = lora
             if a.shape[0] % 2:  # an even row stride keeps complex views (RoPE) of the output possible
                 a = torch.cat([a, a.new_zeros(1, a.shape[1])])
                 b_t = torch.cat([b_t, b_t.new_zeros(1, b_t.shape[1])])
             self.a = a.float().contiguous()
-            self.b_t = b_t.contiguous()
+            self.b_t = b_t.float().contiguous()
+            self.b_draft = self.b_t.to(torch.bfloat16)
+            self.b_spans = low_rank_spans(self.b_t)
         self.linear = PackedLinear(weight, bias, prepack=prepack, blocks=blocks, extra_rows=self.a)
 
     def __call__(
@@ -406,7 +414,7 @@ class Projection:
         if self.b_t is None:
             return y
         out = self.out_features
-        _add_low_rank(y[:, :out], y[:, out:], self.b_t, rows)
+        self._add_low_rank(y[:, :out], y[:, out:], rows, coarse)
         return y[:, :out]
 
     def add_into(self, residual: torch.Tensor, x: torch.Tensor, rows: MaskRuns, coarse: MaskRuns = ()) -> None:
@@ -415,19 +423,35 @@ class Projection:
         low = self.linear.add_into(residual, x, flat_runs(coarse))
         if self.b_t is None or low is None:
             return
-        _add_low_rank(residual, low, self.b_t, rows)
+        self._add_low_rank(residual, low, rows, coarse)
+
+    def _add_low_rank(self, target: torch.Tensor, low: torch.Tensor, rows: MaskRuns, coarse: MaskRuns) -> None:
+        """``target[run] += low[run] @ B^T`` for every run of mask rows: in one C++ call where the block kernels are
+        loaded (the one the fused layer pass makes, so both paths give the same numbers; the ``coarse`` runs with
+        :attr:`b_draft`), else one addmm per run."""
+        assert self.b_t is not None
+        if not rows:
+            return
+        if blockq.enabled() and blockq.kernels_available():
+            torch.ops.agent_mtp_blockq.low_rank_add(
+                target, low, self.b_t, flat_runs(rows), self.b_draft, self.b_spans, flat_runs(coarse)
+            )
+            return
+        for run in rows:
+            target[run].addmm_(low[run], self.b_t)
 
 
-def _add_low_rank(target: torch.Tensor, low: torch.Tensor, b_t: torch.Tensor, rows: MaskRuns) -> None:
-    """``target[run] += low[run] @ b_t`` for every run of mask rows: in one C++ call where the block kernels are
-    loaded (the one the fused layer pass makes, so both paths give the same numbers), else one addmm per run."""
-    if not rows:
-        return
-    if blockq.enabled() and blockq.kernels_available():
-        torch.ops.agent_mtp_blockq.low_rank_add(target, low, b_t, flat_runs(rows))
-        return
-    for run in rows:
-        target[run].addmm_(low[run], b_t)
+def low_rank_spans(b_t: torch.Tensor) -> torch.Tensor:
+    """Per 64 outputs of ``b_t`` [rank, out], the rank rows [lo, hi) that are not all zero, as int32 [slices, 2]
+    (what ``low_rank_add`` reads; lo = hi where a slice has none)."""
+    slices = -(-int(b_t.shape[1]) // 64)
+    padded = torch.zeros(int(b_t.shape[0]), slices * 64, dtype=torch.bool)
+    padded[:, : b_t.shape[1]] = b_t != 0
+    nonzero = padded.view(-1, slices, 64).any(-1).t()  # [slices, rank]
+    rank = torch.arange(int(b_t.shape[0]))
+    hi = torch.where(nonzero, rank + 1, 0).amax(-1)
+    lo = torch.where(nonzero, rank, int(b_t.shape[0])).amin(-1)
+    return torch.stack([torch.minimum(lo, hi), hi], dim=1).to(torch.int32).contiguous()
 
 
 def stack_low_rank(

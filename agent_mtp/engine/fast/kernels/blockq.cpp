@@ -1877,10 +1877,10 @@ at::Tensor attend(const at::Tensor& qkv, const at::Tensor& rope, at::TensorList 
 
 // Every decoder layer of a Llama-family model for a short block pass (one sequence or a batch), in one call: the same
 // kernels and ATen ops in the same order as the Python layer loop (engine/fast/model.py: FastModel._layer), so the
-// numbers are identical; what goes is ~15 Python-level calls per layer. ``weights`` holds 30 tensors
+// numbers are identical; what goes is ~15 Python-level calls per layer. ``weights`` holds 38 tensors
 // per layer (see engine/fast/model.py: _fused_weights); an absent adapter factor, lane or tile layout is an empty
 // tensor.
-constexpr int64_t kPerLayer = 30;
+constexpr int64_t kPerLayer = 38;
 
 std::optional<at::Tensor> present(const at::Tensor& t) {
   return t.numel() > 0 ? std::optional<at::Tensor>(t) : std::nullopt;
@@ -1902,23 +1902,48 @@ struct LayerStack : torch::CustomClassHolder {
   int64_t layers() const { return static_cast<int64_t>(weights.size()) / kPerLayer; }
 };
 
+// A low-rank factor's values: float32, or bfloat16 (the top half of a float32, so widening is exact).
+inline float factor_value(float v) { return v; }
+inline float factor_value(uint16_t v) {
+  const uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f = 0.0f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+inline __m256 load_factor8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load_factor8(const uint16_t* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+__attribute__((target("avx512f"))) inline __m512 load_factor16(const float* p) { return _mm512_loadu_ps(p); }
+__attribute__((target("avx512f"))) inline __m512 load_factor16(const uint16_t* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
 // target[r, :] += low[r, :] b_t for the rows r of ``runs`` (flattened [start, stop) pairs): an adapter's low-rank
 // delta at the mask rows. Per 8 outputs, the rank products are summed in order (fused multiply-add) and added to the
 // target once. One call instead of an ATen addmm per run and projection (~90 per pass with masks, each costing more
 // to dispatch than its few thousand multiply-adds).
+// A fused projection's b_t is block diagonal (each part's rank rows reach only its own outputs), so ``spans`` names,
+// per 64 outputs, the rank rows [lo, hi) that are not all zero there: the rest are not read (a multiply-add of an exact
+// zero leaves a finite sum as it is, so the numbers stay the same; on the default model 1/3 of qkv's b_t and 1/2 of
+// gate_up's are zeros). Rows flagged in ``coarse`` (mask rows that are only drafts) take ``draft`` instead of b_t:
+// the same factor in bfloat16, half the bytes (a masked pass of the default model read ~11 MB of float32 factors
+// beside ~96 MB of weights, and one mask row's delta cost more than its products).
 // AVX-512: rows r0..r0 + R of a run against outputs c0..c0 + 64 at once (each b_t row loaded once for the R rows),
 // each output's operations those of the AVX2 loop below (fused multiply-adds over j in order, then one add).
-template <int R>
-__attribute__((target("avx512f"))) inline void low_rank_tile(const float* lp, int64_t ldl, const float* bp,
-                                                              int64_t rank, int64_t out, float* tp, int64_t ldt,
+template <int R, class T>
+__attribute__((target("avx512f"))) inline void low_rank_tile(const float* lp, int64_t ldl, const T* bp, int64_t j0,
+                                                              int64_t j1, int64_t out, float* tp, int64_t ldt,
                                                               int64_t r0, int64_t c0) {
   __m512 acc[R][4];
   for (int r = 0; r < R; ++r)
     for (int q = 0; q < 4; ++q) acc[r][q] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < rank; ++j) {
-    const float* bj = bp + j * out + c0;
-    const __m512 b0 = _mm512_loadu_ps(bj), b1 = _mm512_loadu_ps(bj + 16), b2 = _mm512_loadu_ps(bj + 32),
-                 b3 = _mm512_loadu_ps(bj + 48);
+  for (int64_t j = j0; j < j1; ++j) {
+    const T* bj = bp + j * out + c0;
+    const __m512 b0 = load_factor16(bj), b1 = load_factor16(bj + 16), b2 = load_factor16(bj + 32),
+                 b3 = load_factor16(bj + 48);
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
       const __m512 a = _mm512_set1_ps(lp[(r0 + r) * ldl + j]);
@@ -1935,7 +1960,55 @@ __attribute__((target("avx512f"))) inline void low_rank_tile(const float* lp, in
     }
 }
 
-void low_rank_add(at::Tensor target, const at::Tensor& low, const at::Tensor& b_t, at::IntArrayRef runs) {
+// Rows r0..r0 + count against outputs c0..c1 with rank rows j0..j1, one row and 8 outputs at a time (AVX2; the
+// AVX-512 tiles' operations, output by output).
+template <class T>
+void low_rank_rows(const float* lp, int64_t ldl, const T* bp, int64_t j0, int64_t j1, int64_t out, float* tp,
+                   int64_t ldt, int64_t r0, int64_t count, int64_t c0, int64_t c1) {
+  const int64_t vec_end = out / 8 * 8;
+  for (int64_t r = r0; r < r0 + count; ++r) {
+    const float* a = lp + r * ldl;
+    float* t = tp + r * ldt;
+    for (int64_t c = c0; c + 8 <= c1; c += 8) {
+      __m256 acc = _mm256_setzero_ps();
+      for (int64_t j = j0; j < j1; ++j) acc = _mm256_fmadd_ps(_mm256_set1_ps(a[j]), load_factor8(bp + j * out + c), acc);
+      _mm256_storeu_ps(t + c, _mm256_add_ps(_mm256_loadu_ps(t + c), acc));
+    }
+    for (int64_t c = std::max(c0, vec_end); c < c1; ++c) {
+      float acc = 0.0f;
+      for (int64_t j = j0; j < j1; ++j) acc = std::fma(a[j], factor_value(bp[j * out + c]), acc);
+      t[c] += acc;
+    }
+  }
+}
+
+// The rank rows of b_t that are not all zero in each 64 outputs, as [slices, 2] int32 [lo, hi) (lo = hi: none).
+at::Tensor low_rank_spans(const at::Tensor& b_t) {
+  TORCH_CHECK(b_t.dim() == 2 && b_t.scalar_type() == at::kFloat && b_t.is_contiguous(),
+              "b_t must be a contiguous float32 [rank, out] tensor");
+  const int64_t rank = b_t.size(0), out = b_t.size(1), slices = (out + 63) / 64;
+  at::Tensor spans = at::empty({slices, 2}, b_t.options().dtype(at::kInt));
+  const float* bp = b_t.data_ptr<float>();
+  int32_t* sp = spans.data_ptr<int32_t>();
+  for (int64_t s = 0; s < slices; ++s) {
+    const int64_t c0 = s * 64, c1 = std::min(out, c0 + 64);
+    int64_t lo = rank, hi = 0;
+    for (int64_t j = 0; j < rank; ++j)
+      for (int64_t c = c0; c < c1; ++c)
+        if (bp[j * out + c] != 0.0f) {
+          lo = std::min(lo, j);
+          hi = j + 1;
+          break;
+        }
+    sp[2 * s] = static_cast<int32_t>(std::min(lo, hi));
+    sp[2 * s + 1] = static_cast<int32_t>(hi);
+  }
+  return spans;
+}
+
+void low_rank_add_rows(at::Tensor target, const at::Tensor& low, const at::Tensor& b_t, at::IntArrayRef runs,
+                       const std::optional<at::Tensor>& draft, const std::optional<at::Tensor>& spans,
+                       const uint8_t* coarse) {
   if (b_t.numel() == 0 || runs.empty()) return;
   const int64_t rank = b_t.size(0), out = b_t.size(1);
   TORCH_CHECK(b_t.dim() == 2 && b_t.scalar_type() == at::kFloat && b_t.is_contiguous(),
@@ -1947,63 +2020,84 @@ void low_rank_add(at::Tensor target, const at::Tensor& low, const at::Tensor& b_
                   low.size(0) == target.size(0),
               "low must be a float32 [rows, rank] tensor with unit column stride");
   TORCH_CHECK(runs.size() % 2 == 0, "runs must be [start, stop) pairs");
+  const int64_t slices = (out + 63) / 64;
+  if (draft.has_value())
+    TORCH_CHECK(draft->scalar_type() == at::kBFloat16 && draft->is_contiguous() && draft->size(0) == rank &&
+                    draft->size(1) == out,
+                "the draft factor must be a contiguous bfloat16 [rank, out] tensor like b_t");
+  if (spans.has_value())
+    TORCH_CHECK(spans->scalar_type() == at::kInt && spans->is_contiguous() && spans->numel() == 2 * slices,
+                "spans must be a contiguous int32 [", slices, ", 2] tensor (low_rank_spans of b_t)");
   const float* bp = b_t.data_ptr<float>();
+  const uint16_t* dp = draft.has_value() ? reinterpret_cast<const uint16_t*>(draft->data_ptr<at::BFloat16>()) : nullptr;
+  const int32_t* sp = spans.has_value() ? spans->data_ptr<int32_t>() : nullptr;
   const float* lp = low.data_ptr<float>();
   float* tp = target.data_ptr<float>();
-  const int64_t ldt = target.stride(0), ldl = low.stride(0), vec_end = out / 8 * 8;
+  const int64_t ldt = target.stride(0), ldl = low.stride(0);
   // The runs' rows in tiles of up to 4 x 64-output slices: independent work (each output's sum is the same whatever
-  // the split), AVX-512 tiles where the CPU has them and every slice is whole, else the AVX2 loop row by row.
+  // the split), AVX-512 tiles where the CPU has them and every slice is whole, else the AVX2 loop row by row; a
+  // tile's rows are all drafts or none, so they share one factor.
   std::vector<std::pair<int64_t, int>> row_tiles;
   for (size_t i = 0; i + 1 < runs.size(); i += 2) {
     TORCH_CHECK(0 <= runs[i] && runs[i] <= runs[i + 1] && runs[i + 1] <= target.size(0), "run out of range");
-    for (int64_t r = runs[i]; r < runs[i + 1]; r += 4)
-      row_tiles.emplace_back(r, static_cast<int>(std::min<int64_t>(4, runs[i + 1] - r)));
+    for (int64_t r = runs[i]; r < runs[i + 1];) {
+      int count = 1;  // up to 4 rows, all drafts or none
+      while (count < 4 && r + count < runs[i + 1] &&
+             (coarse == nullptr || coarse[r + count] == coarse[r]))
+        ++count;
+      row_tiles.emplace_back(r, count);
+      r += count;
+    }
   }
   static const bool has_avx512 = cpu_has_avx512();
   const bool wide = has_avx512 && out % 64 == 0;
-  const int64_t slices = (out + 63) / 64, work = static_cast<int64_t>(row_tiles.size()) * slices;
+  const int64_t work = static_cast<int64_t>(row_tiles.size()) * slices;
   const int64_t grain = std::max<int64_t>(1, 128 / std::max<int64_t>(1, rank));  // ~32k multiply-adds a chunk
   at::parallel_for(0, work, grain, [&](int64_t begin, int64_t end) {
     for (int64_t slot = begin; slot < end; ++slot) {
       const auto [r0, count] = row_tiles[slot / slices];
-      const int64_t c0 = (slot % slices) * 64, c1 = std::min(out, c0 + 64);
-      if (wide) {
+      const int64_t s = slot % slices, c0 = s * 64, c1 = std::min(out, c0 + 64);
+      const int64_t j0 = sp != nullptr ? sp[2 * s] : 0, j1 = sp != nullptr ? sp[2 * s + 1] : rank;
+      const bool drafted = dp != nullptr && coarse != nullptr && coarse[r0] != 0;
+      const auto tile = [&](const auto* b) {
+        if (!wide) {
+          low_rank_rows(lp, ldl, b, j0, j1, out, tp, ldt, r0, count, c0, c1);
+          return;
+        }
         switch (count) {
-          case 4: low_rank_tile<4>(lp, ldl, bp, rank, out, tp, ldt, r0, c0); break;
-          case 3: low_rank_tile<3>(lp, ldl, bp, rank, out, tp, ldt, r0, c0); break;
-          case 2: low_rank_tile<2>(lp, ldl, bp, rank, out, tp, ldt, r0, c0); break;
-          default: low_rank_tile<1>(lp, ldl, bp, rank, out, tp, ldt, r0, c0); break;
+          case 4: low_rank_tile<4>(lp, ldl, b, j0, j1, out, tp, ldt, r0, c0); break;
+          case 3: low_rank_tile<3>(lp, ldl, b, j0, j1, out, tp, ldt, r0, c0); break;
+          case 2: low_rank_tile<2>(lp, ldl, b, j0, j1, out, tp, ldt, r0, c0); break;
+          default: low_rank_tile<1>(lp, ldl, b, j0, j1, out, tp, ldt, r0, c0); break;
         }
-        continue;
-      }
-      for (int64_t r = r0; r < r0 + count; ++r) {
-        const float* a = lp + r * ldl;
-        float* t = tp + r * ldt;
-        for (int64_t c = c0; c + 8 <= c1; c += 8) {
-          __m256 acc = _mm256_setzero_ps();
-          for (int64_t j = 0; j < rank; ++j)
-            acc = _mm256_fmadd_ps(_mm256_set1_ps(a[j]), _mm256_loadu_ps(bp + j * out + c), acc);
-          _mm256_storeu_ps(t + c, _mm256_add_ps(_mm256_loadu_ps(t + c), acc));
-        }
-        for (int64_t c = std::max(c0, vec_end); c < c1; ++c) {
-          float acc = 0.0f;
-          for (int64_t j = 0; j < rank; ++j) acc = std::fma(a[j], bp[j * out + c], acc);
-          t[c] += acc;
-        }
-      }
+      };
+      if (drafted)
+        tile(dp);
+      else
+        tile(bp);
     }
   });
 }
 
+void low_rank_add(at::Tensor target, const at::Tensor& low, const at::Tensor& b_t, at::IntArrayRef runs,
+                  const std::optional<at::Tensor>& draft, const std::optional<at::Tensor>& spans,
+                  at::IntArrayRef coarse_runs) {
+  const std::vector<uint8_t> coarse = coarse_flags(coarse_runs, target.size(0));
+  low_rank_add_rows(target, low, b_t, runs, draft, spans, coarse.empty() ? nullptr : coarse.data());
+}
+
 // y[rows, :out] += y[rows, out:] b_t at the mask rows; returns y[:, :out].
-at::Tensor with_delta(const at::Tensor& y, int64_t out, const at::Tensor& b_t, at::IntArrayRef runs) {
-  if (b_t.numel() > 0) low_rank_add(y.slice(1, 0, out), y.slice(1, out), b_t, runs);
+at::Tensor with_delta(const at::Tensor& y, int64_t out, const at::Tensor& b_t, at::IntArrayRef runs,
+                      const std::optional<at::Tensor>& draft, const std::optional<at::Tensor>& spans,
+                      const uint8_t* coarse) {
+  if (b_t.numel() > 0) low_rank_add_rows(y.slice(1, 0, out), y.slice(1, out), b_t, runs, draft, spans, coarse);
   return y.slice(1, 0, out);
 }
 
 // x += (block product into x) and, at the mask rows, the adapter's delta from the extra rows' product ``low``.
-void add_delta(at::Tensor& x, const at::Tensor& low, const at::Tensor& b_t, at::IntArrayRef runs) {
-  low_rank_add(x, low, b_t, runs);
+void add_delta(at::Tensor& x, const at::Tensor& low, const at::Tensor& b_t, at::IntArrayRef runs,
+               const std::optional<at::Tensor>& draft, const std::optional<at::Tensor>& spans, const uint8_t* coarse) {
+  low_rank_add_rows(x, low, b_t, runs, draft, spans, coarse);
 }
 
 // ``caches`` holds every layer's cache of every sequence, layer-major (layer l, sequence s at l * S + s); sequence s
@@ -2032,28 +2126,28 @@ void decode_layers(at::Tensor x, const c10::intrusive_ptr<LayerStack>& stack, at
   const uint8_t* coarse = coarse_rows.empty() ? nullptr : coarse_rows.data();
   for (int64_t layer = 0; layer < layers; ++layer) {
     // per projection: qs, scale, minimum, extra rows (adapter A), adapter B^T, lanes; norms at 0 and 13; tiles at
-    // 26-29
+    // 26-29; per projection the adapter's bfloat16 B^T for draft rows and B^T's spans at 30-37
     const at::Tensor* w = stack->weights.data() + layer * kPerLayer;
     const std::optional<at::Tensor>* o = stack->optional.data() + layer * kPerLayer;
     const at::Tensor y = grouped_linear<Q41, Q41Lanes>(x, w[1], w[2], w[3].data_ptr<float>(), 16,
                                                        masked ? o[4] : none, std::nullopt, o[0], eps, o[6], o[26],
                                                        coarse);
-    const at::Tensor qkv = with_delta(y, qkv_out, w[5], mask_runs);
+    const at::Tensor qkv = with_delta(y, qkv_out, w[5], mask_runs, o[30], o[31], coarse);
     const at::Tensor attended = attend_pairs(qkv, pairs, caches.slice(layer * sequences, sequences), starts, rows,
                                              num_heads, kv_heads, head_dim, scale);
     const at::Tensor low_o = grouped_linear<Q41, Q41Lanes>(attended.contiguous(), w[7], w[8], w[9].data_ptr<float>(),
                                                            16, masked ? o[10] : none, x, std::nullopt, eps, o[12],
                                                            o[27], coarse);
-    add_delta(x, low_o, w[11], mask_runs);
+    add_delta(x, low_o, w[11], mask_runs, o[32], o[33], coarse);
     const at::Tensor gu_all = grouped_linear<Q41, Q41Lanes>(x, w[14], w[15], w[16].data_ptr<float>(), 16,
                                                             masked ? o[17] : none, std::nullopt, o[13], eps, o[19],
                                                             o[28], coarse);
-    const at::Tensor gate_up = with_delta(gu_all, 2 * inter, w[18], mask_runs);
+    const at::Tensor gate_up = with_delta(gu_all, 2 * inter, w[18], mask_runs, o[34], o[35], coarse);
     const at::Tensor act = silu_mul(gate_up, inter);
     const at::Tensor low_d = grouped_linear<Q41, Q41Lanes>(act, w[20], w[21], w[22].data_ptr<float>(), 16,
                                                            masked ? o[23] : none, x, std::nullopt, eps, o[25], o[29],
                                                            coarse);
-    add_delta(x, low_d, w[24], mask_runs);
+    add_delta(x, low_d, w[24], mask_runs, o[36], o[37], coarse);
   }
 }
 
@@ -2069,7 +2163,6 @@ TORCH_LIBRARY(agent_mtp_blockq, m) {
   m.def(
       "q8_0_linear(Tensor x, Tensor qs, Tensor scale, Tensor? extra=None, Tensor(a!)? residual=None, "
       "Tensor? norm=None, float eps=1e-5, Tensor? lanes=None, Tensor? tiles=None, int[] coarse_runs=[]) -> Tensor");
-  // target[r] += low[r] b_t at the rows of runs (flattened [start, stop) pairs): an adapter's delta at the mask rows
   // which kernel classes take their AVX-512 forms (the same numbers as the AVX2 ones; bits 1: row kernels and
   // attention, 2: lane kernels); 0 where the CPU lacks them
   m.def("avx512_forms(int request=-1) -> int", &avx512_forms);
@@ -2085,7 +2178,13 @@ TORCH_LIBRARY(agent_mtp_blockq, m) {
   // row's weight, in 1/1024 of an exact row (>= 0 sets, -1 reads); which path a pass of rows (light: 8-bit) takes
   m.def("tiles_from(int weight=-1, int light_weight=-1) -> int[]", &tiles_from);
   m.def("records_path(int rows, int light=0) -> int", &records_path_of);
-  m.def("low_rank_add(Tensor(a!) target, Tensor low, Tensor b_t, int[] runs) -> ()");
+  // target[r] += low[r] b_t at the rows of runs (flattened [start, stop) pairs): an adapter's delta at the mask rows
+  // (draft: b_t in bfloat16 for the rows of coarse_runs, mask rows that are only drafts; spans: low_rank_spans(b_t),
+  // the rank rows not all zero per 64 outputs); low_rank_spans: those spans, [ceil(out / 64), 2] int32
+  m.def(
+      "low_rank_add(Tensor(a!) target, Tensor low, Tensor b_t, int[] runs, Tensor? draft=None, Tensor? spans=None, "
+      "int[] coarse_runs=[]) -> ()");
+  m.def("low_rank_spans(Tensor b_t) -> Tensor");
   // silu(gate_up[:, :inter]) * gate_up[:, inter:2 inter] (a Llama MLP's activation) in one call
   m.def("silu_mul(Tensor gate_up, int inter) -> Tensor");
   // every decoder layer of a short block pass (one sequence or a batch), in place on x and the caches (see above)
@@ -2104,6 +2203,7 @@ TORCH_LIBRARY_IMPL(agent_mtp_blockq, CPU, m) {
   m.impl("decode_layers", &decode_layers);
   m.impl("attend", &attend);
   m.impl("low_rank_add", &low_rank_add);
+  m.impl("low_rank_spans", &low_rank_spans);
   m.impl("silu_mul", &silu_mul);
   m.impl("q4_1_linear", &q4_1_linear);
   m.impl("q8_0_linear", &q8_0_linear);
