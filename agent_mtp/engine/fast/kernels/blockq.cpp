@@ -1189,14 +1189,9 @@ void dense_rows(const float* x, int64_t rows, int64_t k, const float* dense, int
 
 // h = rms_norm(x) * weight, row by row: (x * (1 / sqrt(mean(x^2) + eps))) * weight, as torch's rms_norm orders it.
 // Into storage this thread keeps from call to call (as on_grid's), valid until its next call.
-const float* rms_normed(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.numel() == x.size(1),
-              "norm weight must be a contiguous float32 [in_features] tensor");
-  const int64_t rows = x.size(0), k = x.size(1);
+const float* rms_normed(const float* xp, int64_t rows, int64_t k, const float* w, double eps) {
   static thread_local std::vector<float> h;
   h.resize(static_cast<size_t>(rows * k));
-  const float* w = weight.data_ptr<float>();
-  const float* xp = x.data_ptr<float>();
   for (int64_t r = 0; r < rows; ++r) {
     const float* xr = xp + r * k;
     float* hr = h.data() + r * k;
@@ -1214,62 +1209,97 @@ const float* rms_normed(const at::Tensor& x, const at::Tensor& weight, double ep
   return h.data();
 }
 
-// y = x [W; dense]^T: the block-quantized W (groups of 8 features), then the optional float32 rows ``dense``.
-// ``lanes``: the quants in the lane kernels' layout L (or none: row kernels for every pass size).
-template <template <int, int> class K, class L>
-at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale,
-                          const float* minimum, int64_t bytes_per_block, const std::optional<at::Tensor>& dense,
-                          const std::optional<at::Tensor>& residual, const std::optional<at::Tensor>& norm,
-                          double eps, const std::optional<at::Tensor>& lanes = std::nullopt,
-                          const std::optional<at::Tensor>& tiles = std::nullopt, const uint8_t* coarse = nullptr) {
-  const int64_t rows = x.size(0), k = x.size(1), blocks = k / kBlock;
-  // With a norm weight, the rows multiplied are rms_norm(x) * norm (one call instead of a norm op and a product).
-  const float* xp = norm.has_value() ? rms_normed(x, *norm, eps) : x.data_ptr<float>();
-  const int64_t out_features = scale.numel() / blocks;
-  const int64_t extra = dense.has_value() ? dense->size(0) : 0;
-  if (extra > 0)
+// A block-quantized projection's weights as checked raw pointers: what grouped_linear's tensors give on each call,
+// or what a LayerStack checks once at load, so that a pass reads no tensor's metadata per projection (between the
+// parallel products a pass's serial code finds its data cold: the products stream ~100 MB through the caches).
+struct BlockView {
+  const uint8_t* qs = nullptr;
+  const float* scale = nullptr;
+  const float* minimum = nullptr;   // Q4_1's block minimums, else null
+  int64_t out_features = 0, k = 0;
+  const float* dense = nullptr;     // float32 extra rows [extra, k] (an adapter's A), or null
+  int64_t extra = 0;
+  const float* norm = nullptr;      // RMS norm weight [k]: the rows multiplied are rms_norm(x) * norm
+  const uint8_t* lanes = nullptr;   // the quants in the lane kernels' layout, or null
+  const uint8_t* tiles = nullptr;   // the records' layout (AMX, VNNI), or null
+};
+
+// The checks grouped_linear made on every call, once: ``k`` input features, the layouts' sizes for kind L.
+template <class L>
+BlockView block_view(const at::Tensor& qs, const at::Tensor& scale, const float* minimum, int64_t k,
+                     const std::optional<at::Tensor>& dense, const std::optional<at::Tensor>& norm,
+                     const std::optional<at::Tensor>& lanes, const std::optional<at::Tensor>& tiles) {
+  TORCH_CHECK(k > 0 && k % kBlock == 0, "in_features must be a positive multiple of 32, got ", k);
+  const int64_t blocks = k / kBlock;
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() % blocks == 0,
+              "scale must be a contiguous float32 [out, in / 32] tensor");
+  TORCH_CHECK(qs.scalar_type() == at::kByte && qs.is_contiguous(), "qs must be a contiguous uint8 tensor");
+  BlockView w;
+  w.qs = qs.data_ptr<uint8_t>();
+  w.scale = scale.data_ptr<float>();
+  w.minimum = minimum;
+  w.k = k;
+  w.out_features = scale.numel() / blocks;
+  if (dense.has_value() && dense->numel() > 0) {
     TORCH_CHECK(dense->dim() == 2 && dense->size(1) == k && dense->scalar_type() == at::kFloat &&
                     dense->is_contiguous(),
                 "extra rows must be a contiguous float32 [r, in_features] tensor");
-  const bool add = residual.has_value();
-  if (add)
-    TORCH_CHECK(residual->dim() == 2 && residual->size(0) == rows && residual->size(1) == out_features &&
-                    residual->scalar_type() == at::kFloat && residual->stride(1) == 1,
-                "residual must be a float32 [rows, out_features] tensor with unit column stride");
-  // With a residual, the block rows' products are added into it and y holds only the extra rows' products.
-  const int64_t width = add ? extra : out_features + extra;
-  at::Tensor y = at::empty({rows, width}, x.options());
-  float* yp = y.data_ptr<float>();
-  float* op = add ? residual->data_ptr<float>() : yp;
-  const int64_t ldo = add ? residual->stride(0) : width;
-  const int64_t extra_at = add ? 0 : out_features;
-  const uint8_t* q = qs.data_ptr<uint8_t>();
-  const float* d = scale.data_ptr<float>();
-  const float* dp = extra > 0 ? dense->data_ptr<float>() : nullptr;
-  const int64_t groups = out_features / kGroup;
-  const bool by_lanes = lanes.has_value() && rows >= L::kLaneRows;
-  if (lanes.has_value())
+    w.dense = dense->data_ptr<float>();
+    w.extra = dense->size(0);
+  }
+  if (norm.has_value()) {
+    TORCH_CHECK(norm->scalar_type() == at::kFloat && norm->is_contiguous() && norm->numel() == k,
+                "norm weight must be a contiguous float32 [in_features] tensor");
+    w.norm = norm->data_ptr<float>();
+  }
+  const int64_t groups = w.out_features / kGroup;
+  if (lanes.has_value()) {
     TORCH_CHECK(lanes->scalar_type() == at::kByte && lanes->is_contiguous() &&
                     lanes->numel() == groups * blocks * kBlock * L::kBytes,
                 "lanes must be a contiguous uint8 [out / 8, in / 32 * ", kBlock * L::kBytes, "] tensor");
-  const uint8_t* lw = by_lanes ? lanes->data_ptr<uint8_t>() : nullptr;
+    w.lanes = lanes->data_ptr<uint8_t>();
+  }
+  if (tiles.has_value()) {
+    const int64_t records = (w.out_features + tiles::kFeatures - 1) / tiles::kFeatures;
+    const int64_t record = L::kBytes == 4 ? tiles::kQ41Record : tiles::kQ80Record;
+    TORCH_CHECK(tiles->scalar_type() == at::kByte && tiles->is_contiguous() &&
+                    tiles->numel() == records * blocks * record,
+                "tiles must be a contiguous uint8 [ceil(out / 16), in / 32 * ", record, "] tensor");
+    w.tiles = tiles->data_ptr<uint8_t>();
+  }
+  return w;
+}
+
+// The products of ``rows`` rows of x [rows, k] (contiguous) with the view's block rows, into op (row stride ldo;
+// added into it with ``add``), and with its extra rows into ep (row stride lde). ``bytes_per_block``: 16 (Q4_1) or
+// 32 (Q8_0) bytes of quants.
+template <template <int, int> class K, class L>
+void grouped_product(const float* x, int64_t rows, const BlockView& w, int64_t bytes_per_block, double eps,
+                     float* op, int64_t ldo, bool add, float* ep, int64_t lde, const uint8_t* coarse) {
+  const int64_t k = w.k, blocks = k / kBlock, out_features = w.out_features, extra = w.extra;
+  // With a norm weight, the rows multiplied are rms_norm(x) * norm (one call instead of a norm op and a product).
+  const float* xp = w.norm != nullptr ? rms_normed(x, rows, k, w.norm, eps) : x;
+  const uint8_t* q = w.qs;
+  const float* d = w.scale;
+  const float* minimum = w.minimum;
+  const float* dp = w.dense;
+  const int64_t groups = out_features / kGroup;
+  const bool by_lanes = w.lanes != nullptr && rows >= L::kLaneRows;
+  const uint8_t* lw = by_lanes ? w.lanes : nullptr;
   constexpr bool q4 = L::kBytes == 4;
   using WideLanes = std::conditional_t<q4, wide::Q41Lanes, wide::Q80Lanes>;
   const bool wide_path = by_lanes ? wide_lanes_on() : wide_rows_on();
   // The wide lane kernels take two groups per task (a last odd group takes the AVX2 one: the same numbers).
   // AMX tiles, or VNNI where those are off or the pass is light enough that VNNI is cheaper (the same bits)
-  const Records path = tiles.has_value() ? records_path(rows, coarse) : Records::kNone;
+  const Records path = w.tiles != nullptr ? records_path(rows, coarse) : Records::kNone;
   const bool on_tiles = path == Records::kTiles, on_vnni = path == Records::kVnni;
   if (on_tiles || on_vnni) {
     // AMX (or VNNI): one task per two record streams of 16 features (a last partial one keeps its first features),
     // then the float32 extra rows.
     const int64_t records = (out_features + tiles::kFeatures - 1) / tiles::kFeatures;
     const int64_t record = q4 ? tiles::kQ41Record : tiles::kQ80Record;
-    TORCH_CHECK(tiles->scalar_type() == at::kByte && tiles->is_contiguous() &&
-                    tiles->numel() == records * blocks * record,
-                "tiles must be a contiguous uint8 [ceil(out / 16), in / 32 * ", record, "] tensor");
     const tiles::Grid& grid = tiles::on_grid(xp, rows, k, coarse, on_tiles);
-    const uint8_t* tp = tiles->data_ptr<uint8_t>();
+    const uint8_t* tp = w.tiles;
     const int64_t pairs = (records + 1) / 2;  // a task multiplies two record streams (32 features)
     const int64_t dense_tasks = (extra + kGroup - 1) / kGroup, early = dense_tasks / 2;
     // The float32 extra rows' tasks are slower per output: half come first and half last, so that the threads'
@@ -1280,7 +1310,7 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& qs, const at::T
         const int64_t task = dense_task ? (slot < early ? slot : slot - pairs) : slot - early;
         if (dense_task) {
           const int64_t e0 = task * kGroup;
-          dense_rows(xp, rows, k, dp, e0, std::min(e0 + kGroup, extra), yp + extra_at, width);
+          dense_rows(xp, rows, k, dp, e0, std::min(e0 + kGroup, extra), ep, lde);
           continue;
         }
         const int64_t f0 = task * 2 * tiles::kFeatures, features = std::min(2 * tiles::kFeatures, out_features - f0);
@@ -1294,7 +1324,7 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& qs, const at::T
     }, [](int configured) {
       if (configured != 0) tiles::release();
     });
-    return y;
+    return;
   }
   const int64_t per_task = wide_path && by_lanes ? 2 : 1;
   const int64_t block_tasks = (groups + per_task - 1) / per_task;
@@ -1305,7 +1335,7 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& qs, const at::T
     for (int64_t slot = begin; slot < end; ++slot) {
       if (slot < early || slot >= early + block_tasks) {
         const int64_t e0 = (slot < early ? slot : slot - block_tasks) * kGroup;
-        dense_rows(xp, rows, k, dp, e0, std::min(e0 + kGroup, extra), yp + extra_at, width);
+        dense_rows(xp, rows, k, dp, e0, std::min(e0 + kGroup, extra), ep, lde);
         continue;
       }
       const int64_t task = slot - early;
@@ -1347,8 +1377,45 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& qs, const at::T
       }
     }
   }, [](int) {});
+}
+
+// grouped_linear on a checked view: y [rows, out + extra] (or, with a residual, the block rows' products added into
+// it and y [rows, extra] the extra rows').
+template <template <int, int> class K, class L>
+at::Tensor view_linear(const at::Tensor& x, const BlockView& w, int64_t bytes_per_block,
+                       const std::optional<at::Tensor>& residual, double eps, const uint8_t* coarse) {
+  const int64_t rows = x.size(0), out_features = w.out_features, extra = w.extra;
+  const bool add = residual.has_value();
+  if (add)
+    TORCH_CHECK(residual->dim() == 2 && residual->size(0) == rows && residual->size(1) == out_features &&
+                    residual->scalar_type() == at::kFloat && residual->stride(1) == 1,
+                "residual must be a float32 [rows, out_features] tensor with unit column stride");
+  // With a residual, the block rows' products are added into it and y holds only the extra rows' products.
+  const int64_t width = add ? extra : out_features + extra;
+  at::Tensor y = at::empty({rows, width}, x.options());
+  float* yp = y.data_ptr<float>();
+  float* op = add ? residual->data_ptr<float>() : yp;
+  const int64_t ldo = add ? residual->stride(0) : width;
+  grouped_product<K, L>(x.data_ptr<float>(), rows, w, bytes_per_block, eps, op, ldo, add, yp + (add ? 0 : out_features),
+                        width, coarse);
   return y;
 }
+
+// y = x [W; dense]^T: the block-quantized W (groups of 8 features), then the optional float32 rows ``dense``.
+// ``lanes``: the quants in the lane kernels' layout L (or none: row kernels for every pass size).
+template <template <int, int> class K, class L>
+at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale,
+                          const float* minimum, int64_t bytes_per_block, const std::optional<at::Tensor>& dense,
+                          const std::optional<at::Tensor>& residual, const std::optional<at::Tensor>& norm,
+                          double eps, const std::optional<at::Tensor>& lanes = std::nullopt,
+                          const std::optional<at::Tensor>& tiles = std::nullopt, const uint8_t* coarse = nullptr) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "x must be a contiguous 2-D float32 tensor");
+  const BlockView w = block_view<L>(qs, scale, minimum, x.size(1), dense, norm, lanes, tiles);
+  return view_linear<K, L>(x, w, bytes_per_block, residual, eps, coarse);
+}
+
+
 
 template <int R, int C>
 struct Q41 {
@@ -1893,14 +1960,40 @@ struct LayerStack : torch::CustomClassHolder {
   std::vector<at::Tensor> weights;
   std::vector<std::optional<at::Tensor>> optional;  // weights[i], or nothing where it is an empty tensor
 
+  std::vector<BlockView> views;  // per layer: qkv, o, gate_up, down (checked here, once)
+
   explicit LayerStack(std::vector<at::Tensor> all) : weights(std::move(all)) {
     TORCH_CHECK(!weights.empty() && weights.size() % kPerLayer == 0, "a layer stack needs ", kPerLayer,
                 " weight tensors per layer, got ", weights.size());
     optional.reserve(weights.size());
     for (const at::Tensor& t : weights) optional.push_back(present(t));
+    // per projection: qs, scale, minimum, extra rows (adapter A), (adapter B^T), lanes, norm, tiles
+    constexpr int64_t kParts[4][7] = {{1, 2, 3, 4, 6, 0, 26}, {7, 8, 9, 10, 12, -1, 27},
+                                      {14, 15, 16, 17, 19, 13, 28}, {20, 21, 22, 23, 25, -1, 29}};
+    views.reserve(static_cast<size_t>(4 * layers()));
+    for (int64_t layer = 0; layer < layers(); ++layer) {
+      const at::Tensor* w = weights.data() + layer * kPerLayer;
+      const std::optional<at::Tensor>* o = optional.data() + layer * kPerLayer;
+      for (const auto& part : kParts) {
+        const at::Tensor& qs = w[part[0]];
+        TORCH_CHECK(qs.dim() == 2 && w[part[2]].scalar_type() == at::kFloat && w[part[2]].is_contiguous(),
+                    "a layer stack's projections must be Q4_1 blocks (qs [out, in / 32 * 16], float32 minimums)");
+        const int64_t k = qs.size(1) / 16 * kBlock;
+        const std::optional<at::Tensor> norm = part[5] >= 0 ? o[part[5]] : std::nullopt;
+        views.push_back(block_view<Q41Lanes>(qs, w[part[1]], w[part[2]].data_ptr<float>(), k, o[part[3]], norm,
+                                             o[part[4]], o[part[6]]));
+      }
+    }
   }
   int64_t layers() const { return static_cast<int64_t>(weights.size()) / kPerLayer; }
 };
+
+// A view without its extra rows (passes with no mask row leave the adapter's A factors unread).
+inline BlockView without_extra(BlockView w) {
+  w.dense = nullptr;
+  w.extra = 0;
+  return w;
+}
 
 // A low-rank factor's values: float32, or bfloat16 (the top half of a float32, so widening is exact).
 inline float factor_value(float v) { return v; }
@@ -2123,7 +2216,6 @@ void decode_layers(at::Tensor x, const c10::intrusive_ptr<LayerStack>& stack, at
   // The adapter's extra rows (its A factors) are multiplied only for passes with mask rows, the only rows whose
   // delta is added (a one-token pass reads ~160 KB less float32 per adapted layer).
   const bool masked = !mask_runs.empty();
-  const std::optional<at::Tensor> none;
   // Rows on the 8-bit grid (record paths): mask rows whose products are drafts only, never a real row's input.
   const std::vector<uint8_t> coarse_rows = coarse_flags(coarse_runs, x.size(0));
   const uint8_t* coarse = coarse_rows.empty() ? nullptr : coarse_rows.data();
@@ -2132,24 +2224,18 @@ void decode_layers(at::Tensor x, const c10::intrusive_ptr<LayerStack>& stack, at
     // 26-29; per projection the adapter's bfloat16 B^T for draft rows and B^T's spans at 30-37
     const at::Tensor* w = stack->weights.data() + layer * kPerLayer;
     const std::optional<at::Tensor>* o = stack->optional.data() + layer * kPerLayer;
-    const at::Tensor y = grouped_linear<Q41, Q41Lanes>(x, w[1], w[2], w[3].data_ptr<float>(), 16,
-                                                       masked ? o[4] : none, std::nullopt, o[0], eps, o[6], o[26],
-                                                       coarse);
+    const BlockView* v = stack->views.data() + 4 * layer;
+    const auto view = [&](int part) { return masked ? v[part] : without_extra(v[part]); };
+    const at::Tensor y = view_linear<Q41, Q41Lanes>(x, view(0), 16, std::nullopt, eps, coarse);
     const at::Tensor qkv = with_delta(y, qkv_out, w[5], mask_runs, o[30], o[31], coarse);
     const at::Tensor attended = attend_pairs(qkv, pairs, caches.slice(layer * sequences, sequences), starts, rows,
                                              num_heads, kv_heads, head_dim, scale);
-    const at::Tensor low_o = grouped_linear<Q41, Q41Lanes>(attended.contiguous(), w[7], w[8], w[9].data_ptr<float>(),
-                                                           16, masked ? o[10] : none, x, std::nullopt, eps, o[12],
-                                                           o[27], coarse);
+    const at::Tensor low_o = view_linear<Q41, Q41Lanes>(attended, view(1), 16, x, eps, coarse);
     add_delta(x, low_o, w[11], mask_runs, o[32], o[33], coarse);
-    const at::Tensor gu_all = grouped_linear<Q41, Q41Lanes>(x, w[14], w[15], w[16].data_ptr<float>(), 16,
-                                                            masked ? o[17] : none, std::nullopt, o[13], eps, o[19],
-                                                            o[28], coarse);
+    const at::Tensor gu_all = view_linear<Q41, Q41Lanes>(x, view(2), 16, std::nullopt, eps, coarse);
     const at::Tensor gate_up = with_delta(gu_all, 2 * inter, w[18], mask_runs, o[34], o[35], coarse);
     const at::Tensor act = silu_mul(gate_up, inter);
-    const at::Tensor low_d = grouped_linear<Q41, Q41Lanes>(act, w[20], w[21], w[22].data_ptr<float>(), 16,
-                                                           masked ? o[23] : none, x, std::nullopt, eps, o[25], o[29],
-                                                           coarse);
+    const at::Tensor low_d = view_linear<Q41, Q41Lanes>(act, view(3), 16, x, eps, coarse);
     add_delta(x, low_d, w[24], mask_runs, o[36], o[37], coarse);
   }
 }
