@@ -898,10 +898,16 @@ def test_products_do_not_depend_on_how_the_threads_split_the_tasks(kind: str) ->
         same_bits_however_the_threads_split(lambda x=x: blocks(x))
 
 
-@pytest.mark.parametrize(("start", "n"), [(300, 5), (1500, 1), (1500, 3)])
-def test_attention_does_not_depend_on_how_the_threads_split_the_tasks(start: int, n: int) -> None:
-    """Also for a long cache and few tasks (3: one per key / value head), which threads take from each other."""
-    heads, kv_heads, d = 9, 3, 64
+@pytest.mark.parametrize(
+    ("start", "n", "heads", "kv_heads"),
+    [(300, 5, 9, 3), (1500, 1, 9, 3), (1500, 3, 9, 3), (300, 1, 8, 2), (40, 2, 15, 3)],
+)
+def test_attention_does_not_depend_on_how_the_threads_split_the_tasks(
+    start: int, n: int, heads: int, kv_heads: int
+) -> None:
+    """Also for a long cache and few tasks (one per key / value head), which threads take from each other, and where
+    on 2 or more threads a group's query heads split into sets of two and one (on one thread they stay together)."""
+    d = 64
     width = (heads + 2 * kv_heads) * d
     qkv, rope, history = torch.randn(n, width), _rope(n, d, seed=4), torch.randn(2, kv_heads, start + n, d)
 

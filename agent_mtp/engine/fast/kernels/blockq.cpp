@@ -1891,14 +1891,37 @@ at::Tensor attend_pairs(const at::Tensor& qkv, const at::Tensor& pairs, at::Tens
   // many of the sequence's rows (up to kRowsPerTask) as then fit.
   int64_t heads_per_task = std::min(groups, kPairsPerTask);
   while (groups % heads_per_task != 0) --heads_per_task;
-  const int64_t rows_per_task = std::clamp<int64_t>(kPairsPerTask / heads_per_task, 1, kRowsPerTask);
-  const int64_t head_sets = num_heads / heads_per_task;
+  int64_t rows_per_task = std::clamp<int64_t>(kPairsPerTask / heads_per_task, 1, kRowsPerTask);
   std::vector<int64_t> chunk_segment, chunk_row;
-  for (int64_t s = 0; s < segments; ++s)
-    for (int64_t i = 0; i < rows[s]; i += rows_per_task) {
-      chunk_segment.push_back(s);
-      chunk_row.push_back(first_row[s] + i);
+  const auto chunk_rows = [&] {
+    chunk_segment.clear();
+    chunk_row.clear();
+    for (int64_t s = 0; s < segments; ++s)
+      for (int64_t i = 0; i < rows[s]; i += rows_per_task) {
+        chunk_segment.push_back(s);
+        chunk_row.push_back(first_row[s] + i);
+      }
+  };
+  chunk_rows();
+  // Head sets [set_first[i], set_first[i + 1]) of one group each. Where whole groups would give the threads fewer
+  // than two tasks each (a one-token pass: 3 tasks of 3 heads on 2 threads, one thread doing two), groups split
+  // into sets of at most two heads (a pair and a single head for groups of 3), so that the threads share the work
+  // evenly; each set reads its group's keys and values itself. Every (row, head) pair runs the same operations
+  // in either split (attend_rows: pairs of heads or rows share registers, a head alone runs the one-row loops, each
+  // giving the same bits), so a row's numbers do not depend on it.
+  const int64_t threads = at::get_num_threads();
+  const bool split = groups > 2 && static_cast<int64_t>(chunk_row.size()) * (num_heads / heads_per_task) < 2 * threads;
+  std::vector<int64_t> set_first{0};
+  for (int64_t g = 0; g < kv_heads; ++g)
+    for (int64_t h = g * groups; h < (g + 1) * groups;) {
+      h = std::min(h + (split ? 2 : heads_per_task), (g + 1) * groups);
+      set_first.push_back(h);
     }
+  if (split) {
+    rows_per_task = std::clamp<int64_t>(kPairsPerTask / 2, 1, kRowsPerTask);
+    chunk_rows();
+  }
+  const int64_t head_sets = static_cast<int64_t>(set_first.size()) - 1;
   const int64_t max_count = *std::max_element(starts.begin(), starts.end()) + n;
   const int64_t tasks = static_cast<int64_t>(chunk_row.size()) * head_sets;
   const auto attend_tasks = [&](int64_t begin, int64_t end, std::vector<float>& scratch) {
@@ -1907,11 +1930,12 @@ at::Tensor attend_pairs(const at::Tensor& qkv, const at::Tensor& pairs, at::Tens
     float* o[kPairsPerTask];
     int64_t count[kPairsPerTask];
     for (int64_t t = begin; t < end; ++t) {
-      const int64_t chunk = t / head_sets, h0 = t % head_sets * heads_per_task, s = chunk_segment[chunk];
+      const int64_t chunk = t / head_sets, set = t % head_sets, s = chunk_segment[chunk];
+      const int64_t h0 = set_first[set], h1 = set_first[set + 1];
       const int64_t r0 = chunk_row[chunk], r1 = std::min(r0 + rows_per_task, first_row[s + 1]);
       int64_t pairs = 0;
       for (int64_t r = r0; r < r1; ++r)
-        for (int64_t h = h0; h < h0 + heads_per_task; ++h, ++pairs) {
+        for (int64_t h = h0; h < h1; ++h, ++pairs) {
           q[pairs] = base + r * ld + h * d;
           o[pairs] = op + r * q_dim + h * d;
           count[pairs] = starts[s] + (r - first_row[s]) + 1;
