@@ -53,6 +53,14 @@ KV_CACHE_ENV = "AGENT_MTP_KV_CACHE"
 """What the fast runtime's KV caches hold: ``fp32`` (default; greedy output equals HF ``generate``) or ``fp16`` (half
 the bytes each pass reads from its caches: batched passes over long contexts are bound by them; keys and values are
 rounded to float16, so output may differ from the float32 model's at near-ties)."""
+RowGrid = Literal["int24", "int16"]
+ROW_GRIDS: tuple[str, ...] = ("int24", "int16")
+ROW_GRID_ENV = "AGENT_MTP_ROW_GRID"
+"""The grid on which the fast runtime's record paths (AMX, VNNI) put a real row's inputs, per block of 32 weights:
+``int24`` (default; float32-accurate, greedy output equals HF ``generate``) or ``int16`` (2^-15 of the block's
+largest input: outputs ~1e-5 of their scale off, so output may differ from the float32 model's at near-ties; on
+VNNI a real row then costs 16 integer products a block instead of 24, which passes of many rows -- batches of
+sequences, verified's checked drafts -- are bound by). No effect on the AVX kernels (float32 throughout)."""
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
@@ -91,6 +99,7 @@ class MTPEngine:
         block_weights: bool = True,
         draft_masks: DraftMasks | None = None,
         kv_cache: KVCache | None = None,
+        row_grid: RowGrid | None = None,
     ) -> None:
         self.loaded = loaded
         self.model = loaded.model
@@ -113,6 +122,9 @@ class MTPEngine:
         self.kv_cache: KVCache = kv_cache_setting(kv_cache, self.runtime)
         """What the fast runtime's KV caches hold: "fp32" (exact) or "fp16" (half the bytes a pass reads from them;
         see :data:`KV_CACHE_ENV`); ``$AGENT_MTP_KV_CACHE`` by default. Always "fp32" on the HF runtime."""
+        self.row_grid: RowGrid = row_grid_setting(row_grid, self.runtime)
+        """The fast runtime's grid for real rows on its record paths: "int24" (exact) or "int16" (fewer products a
+        row; see :data:`ROW_GRID_ENV`); ``$AGENT_MTP_ROW_GRID`` by default. Always "int24" on the HF runtime."""
         self._fast: FastModel | None = None
         self._signature = SourceSignature(self.model)
         """The model's weight signature: the fast model and the prefix cache are reused while it holds."""
@@ -135,12 +147,13 @@ class MTPEngine:
         runtime: Runtime = "auto",
         prefix_cache_mb: float | None = None,
         kv_cache: KVCache | None = None,
+        row_grid: RowGrid | None = None,
     ) -> MTPEngine:
         """Load ``"default"`` (the embedded SmolLM2-135M-Instruct + its shipped MTP adapter), a hub id, or a local
         directory. ``adapter``: "auto" (the shipped adapter for the default model, or ``<dir>/mtp_adapter`` beside a
         local model), a directory, or None for the bare model with an untrained mask token. ``runtime``: "auto",
         "fast" or "hf"; ``prefix_cache_mb``: the prefix cache's budget (see the class docstring); ``kv_cache``:
-        "fp32" or "fp16" (:data:`KV_CACHE_ENV`)."""
+        "fp32" or "fp16" (:data:`KV_CACHE_ENV`); ``row_grid``: "int24" or "int16" (:data:`ROW_GRID_ENV`)."""
         torch_dtype = _dtype(dtype)
         loaded = compute().run(  # torch work of loading runs where the passes will (engine/threads.py)
             load_model,
@@ -166,7 +179,14 @@ class MTPEngine:
                     f"model has {loaded.mask_token!r}."
                 )
                 raise AdapterError(msg + f" Pass mask_token={mtp_adapter.config.mask_token!r}.")
-        return cls(loaded, adapter=mtp_adapter, runtime=runtime, prefix_cache_mb=prefix_cache_mb, kv_cache=kv_cache)
+        return cls(
+            loaded,
+            adapter=mtp_adapter,
+            runtime=runtime,
+            prefix_cache_mb=prefix_cache_mb,
+            kv_cache=kv_cache,
+            row_grid=row_grid,
+        )
 
     # -- prompts ------------------------------------------------------------------------------------------------
     @property
@@ -317,21 +337,32 @@ class MTPEngine:
         block_weights: bool | None = None,
         draft_masks: DraftMasks | None = None,
         kv_cache: KVCache | None = None,
+        row_grid: RowGrid | None = None,
     ) -> MTPEngine:
-        """This engine if it already runs on ``runtime`` (with ``block_weights``, ``draft_masks`` and ``kv_cache``,
-        None: this engine's), else a sibling over the same model, tokenizer and adapter (for side-by-side
-        comparisons; it has its own lock and cost curve). An HF sibling keeps the model's own (float32) cache."""
+        """This engine if it already runs on ``runtime`` (with ``block_weights``, ``draft_masks``, ``kv_cache`` and
+        ``row_grid``, None: this engine's), else a sibling over the same model, tokenizer and adapter (for
+        side-by-side comparisons; it has its own lock and cost curve). An HF sibling keeps the model's own (float32)
+        cache and rows."""
         blocks = self.block_weights if block_weights is None else block_weights
         masks = self.draft_masks if draft_masks is None else draft_masks
         kv = self.kv_cache if kv_cache is None else kv_cache
+        grid = self.row_grid if row_grid is None else row_grid
         target = _resolve_runtime(runtime, self.model)
         if target == "hf" and kv_cache is None:
             kv = "fp32"
-        same = (target, blocks, masks, kv) == (self.runtime, self.block_weights, self.draft_masks, self.kv_cache)
-        if same:
+        if target == "hf" and row_grid is None:
+            grid = "int24"
+        current = (self.runtime, self.block_weights, self.draft_masks, self.kv_cache, self.row_grid)
+        if (target, blocks, masks, kv, grid) == current:
             return self
         return MTPEngine(
-            self.loaded, adapter=self.adapter, runtime=runtime, block_weights=blocks, draft_masks=masks, kv_cache=kv
+            self.loaded,
+            adapter=self.adapter,
+            runtime=runtime,
+            block_weights=blocks,
+            draft_masks=masks,
+            kv_cache=kv,
+            row_grid=grid,
         )
 
     def new_runner(self) -> Runner:
@@ -352,6 +383,7 @@ class MTPEngine:
                     mask_token_id=self.mask_token_id,
                     blocks=self.block_weights,
                     kv_dtype=torch.float16 if self.kv_cache == "fp16" else torch.float32,
+                    grid_bits=16 if self.row_grid == "int16" else 24,
                 )
             return self._fast
 
@@ -409,6 +441,8 @@ class MTPEngine:
             kernels += "-exactmasks"  # its mask_share is 1
         if self.runtime != "hf" and self.kv_cache == "fp16":
             kernels += "-kv16"
+        if self.runtime != "hf" and self.row_grid == "int16":
+            kernels += "-grid16"
         name = f"{slug}-{device}-{dtype}-{self.runtime}{kernels}-t{compute_threads()}.json"
         return cache_root() / "cost_curves" / name
 
@@ -464,6 +498,20 @@ def kv_cache_setting(value: str | None, runtime: str) -> KVCache:
             raise ConfigError("kv_cache='fp16' needs the fast runtime; the HF runtime keeps the model's own cache.")
         return "fp32"
     return cast(KVCache, raw)
+
+
+def row_grid_setting(value: str | None, runtime: str) -> RowGrid:
+    """``value``, else ``$AGENT_MTP_ROW_GRID``, else "int24"; a clear error for anything else, and for an explicit
+    "int16" on the HF runtime (which computes every row in float32). The environment's "int16" leaves an HF engine
+    at "int24" (as :func:`kv_cache_setting` does)."""
+    hint = "a grid for real rows; use 'int24' (the default: float32-accurate) or 'int16' (fewer products per row on "
+    hint += "VNNI, output may differ at near-ties)"
+    raw = _choice("row_grid", value, ROW_GRID_ENV, ROW_GRIDS, "int24", hint)
+    if raw == "int16" and runtime == "hf":
+        if value is not None:
+            raise ConfigError("row_grid='int16' needs the fast runtime; the HF runtime computes rows in float32.")
+        return "int24"
+    return cast(RowGrid, raw)
 
 
 def draft_masks_setting(value: str | None) -> DraftMasks:

@@ -41,8 +41,8 @@ def build_service(settings: ServerSettings) -> Service:
         torch.set_num_threads(settings.threads)
         set_compute_threads(settings.threads)  # the passes run on the engine's compute thread
     engine = shared_engine(settings.model, adapter=settings.adapter, dtype=settings.dtype)
-    if settings.runtime != "auto" or settings.kv_cache is not None:
-        engine = engine.with_runtime(settings.runtime, kv_cache=settings.kv_cache)
+    if settings.runtime != "auto" or settings.kv_cache is not None or settings.row_grid is not None:
+        engine = engine.with_runtime(settings.runtime, kv_cache=settings.kv_cache, row_grid=settings.row_grid)
     # None: the process-wide telemetry of $AGENT_MTP_REDIS_URL (else nothing recorded), as for AgentMTPChat
     recorder = Telemetry(settings.redis_url.get_secret_value()) if settings.redis_url is not None else None
     breaker = settings.breaker_store.get_secret_value() if settings.breaker_store is not None else None
@@ -89,8 +89,8 @@ def api_key_check(settings: ServerSettings) -> Callable[[Request], None]:
 
 
 def health_body(serving: ChatServing, settings: ServerSettings) -> dict[str, Any]:
-    """What /health says of a serving process: its model (and the runtime and KV cache precision it runs with, so a
-    load test's report says what it measured), admission and batching counters."""
+    """What /health says of a serving process: its model (and the runtime, KV cache precision and real rows' grid
+    it runs with, so a load test's report says what it measured), admission and batching counters."""
     admission = serving.admission
     engine = serving.service.engine
     body: dict[str, Any] = {
@@ -98,6 +98,7 @@ def health_body(serving: ChatServing, settings: ServerSettings) -> dict[str, Any
         "model": settings.model_name,
         "runtime": engine.runtime,
         "kv_cache": engine.kv_cache,
+        "row_grid": engine.row_grid,
         "active": admission.active,
         "queued": admission.waiting,
     }

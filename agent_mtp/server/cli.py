@@ -33,6 +33,9 @@ def serve(
     mode: Annotated[str | None, typer.Option(help="Decode mode with --policy none.")] = None,
     runtime: Annotated[str | None, typer.Option(help="auto | fast | hf")] = None,
     kv_cache: Annotated[str | None, typer.Option(help="fp32 (exact) | fp16 (half the KV bytes per pass)")] = None,
+    row_grid: Annotated[
+        str | None, typer.Option(help="int24 (exact) | int16 (fewer products per real row on VNNI)")
+    ] = None,
     concurrency: Annotated[str | None, typer.Option(help="batched (continuous batching) | serial")] = None,
     max_active: Annotated[int | None, typer.Option(help="Requests decoding at once.")] = None,
     max_queue: Annotated[int | None, typer.Option(help="Requests waiting; beyond: 429.")] = None,
@@ -63,6 +66,7 @@ def serve(
         "mode": mode,
         "runtime": runtime,
         "kv_cache": kv_cache,
+        "row_grid": row_grid,
         "concurrency": concurrency,
         "max_active": max_active,
         "max_queue": max_queue,

@@ -359,7 +359,8 @@ def markdown(summaries: Sequence[dict[str, Any]], extra: dict[str, Any]) -> str:
     )
     server = extra.get("server_at_end") or {}
     if server.get("runtime"):
-        tail += f"\nServer runtime: {server['runtime']}, KV cache {server.get('kv_cache', 'fp32')}."
+        tail += f"\nServer runtime: {server['runtime']}, KV cache {server.get('kv_cache', 'fp32')}"
+        tail += f", real rows on the {server.get('row_grid', 'int24')} grid."
     batching = server.get("batching")
     if batching:
         passes, mean = batching["passes"], batching["mean_batch"]

@@ -27,6 +27,10 @@ class ServerSettings(BaseSettings):
     kv_cache: Literal["fp32", "fp16"] | None = None
     """What the fast runtime's KV caches hold: fp32 (exact) or fp16 (half the bytes each batched pass reads from
     them; output may differ from the float32 model's at near-ties). None: ``$AGENT_MTP_KV_CACHE``, else fp32."""
+    row_grid: Literal["int24", "int16"] | None = None
+    """The fast runtime's grid for real rows on its record paths (AMX, VNNI): int24 (exact) or int16 (16 integer
+    products a weight block instead of 24 on VNNI, which batched passes are bound by; output may differ from the
+    float32 model's at near-ties). None: ``$AGENT_MTP_ROW_GRID``, else int24."""
     policy: str = "default"
     """The deployment's policy: a shipped name (default, latency, exact), a YAML path, or "none" (fixed decoding
     with ``mode``)."""

@@ -72,7 +72,7 @@ def _events(response: httpx.Response) -> list[Any]:
 def test_health_and_models(client: TestClient) -> None:
     health = client.get("/health").json()
     assert health["status"] == "ok" and health["active"] == 0
-    assert (health["runtime"], health["kv_cache"]) == ("fast", "fp32")  # what a load test's report records
+    assert (health["runtime"], health["kv_cache"], health["row_grid"]) == ("fast", "fp32", "int24")
     models = client.get("/v1/models").json()
     assert models["object"] == "list" and models["data"][0]["id"] == "tiny"
     assert health["batching"] == {"passes": 0, "mean_batch": 0.0, "rows": 0, "mean_rows": 0.0}

@@ -155,8 +155,8 @@ def test_rounds_against_a_tiny_server_alternate_and_pool(tmp_path: Path) -> None
         written["ratios"]["vs_ntp_rounds"]["2"]["verified"]
         and "Pooled over 2 rounds" in (tmp_path / "loadtest.md").read_text()
     )
-    assert written["server_at_end"]["kv_cache"] == "fp32"  # what the server ran with, in the report
-    assert "Server runtime: fast, KV cache fp32." in (tmp_path / "loadtest.md").read_text()
+    assert (written["server_at_end"]["kv_cache"], written["server_at_end"]["row_grid"]) == ("fp32", "int24")
+    assert "Server runtime: fast, KV cache fp32, real rows on the int24 grid." in (tmp_path / "loadtest.md").read_text()
 
 
 def test_a_base_url_that_is_not_the_api_root_is_refused_before_any_cell(tmp_path: Path) -> None:

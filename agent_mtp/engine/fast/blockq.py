@@ -76,6 +76,13 @@ forms rebuild twice the weights per instruction: 1.2-1.5x faster per product on 
 on Zen 4 (which splits 512-bit instructions in two)."""
 
 
+GRID_BITS = (24, 16)
+"""Bits of the grid on which the record paths (AMX, VNNI) put an exact row's inputs, per block of 32: 24 (the
+default: float32-accurate, a row's outputs within float32 rounding of the float32 model's) or 16 (2^-15 of the
+block's largest |x|: outputs ~1e-5 of their scale off, so greedy output may differ from the float32 model's at
+near-ties; on VNNI an exact row then costs 16 integer products a block instead of 24, which passes of many rows
+are bound by). The fast model's ``grid_bits`` (``MTPEngine(grid_bits=...)``, ``AGENT_MTP_GRID_BITS``)."""
+
 AMX_ENV = "AGENT_MTP_AMX"
 """Set to 0 to keep the AVX kernels on a CPU with AMX-INT8 (unset or 1: block passes multiply on AMX tiles, the short
 ones on VNNI where the CPU has it too, :data:`AMX_ROWS_ENV`; :func:`tiles_active`)."""
@@ -598,10 +605,16 @@ class BlockWeights:
         return int(self.qs.shape[0]) == self.out_features and self.exception_rows is None
 
     def add_into(
-        self, residual: torch.Tensor, x: torch.Tensor, extra: torch.Tensor | None = None, coarse: Sequence[int] = ()
+        self,
+        residual: torch.Tensor,
+        x: torch.Tensor,
+        extra: torch.Tensor | None = None,
+        coarse: Sequence[int] = (),
+        *,
+        grid_bits: int = 24,
     ) -> torch.Tensor:
         """``residual += x W^T`` in place, in the kernel (one op instead of a product and an add); returns the
-        ``extra`` rows' products [n, r] ([n, 0] without). Needs :attr:`accumulates`. ``coarse``: see
+        ``extra`` rows' products [n, r] ([n, 0] without). Needs :attr:`accumulates`. ``coarse``, ``grid_bits``: see
         :meth:`__call__`."""
         x = x.contiguous()
         runs = list(coarse)
@@ -617,9 +630,18 @@ class BlockWeights:
                 lanes=self.lanes,
                 tiles=self.tiles,
                 coarse_runs=runs,
+                grid_bits=grid_bits,
             )
         return torch.ops.agent_mtp_blockq.q8_0_linear(  # type: ignore[no-any-return]
-            x, self.qs, self.scale, extra, residual, lanes=self.lanes, tiles=self.tiles, coarse_runs=runs
+            x,
+            self.qs,
+            self.scale,
+            extra,
+            residual,
+            lanes=self.lanes,
+            tiles=self.tiles,
+            coarse_runs=runs,
+            grid_bits=grid_bits,
         )
 
     def __call__(
@@ -628,13 +650,18 @@ class BlockWeights:
         extra: torch.Tensor | None = None,
         norm: Norm | None = None,
         coarse: Sequence[int] = (),
+        *,
+        grid_bits: int = 24,
     ) -> torch.Tensor:
         """x [n, in] float32 -> [n, out + r] float32, where ``extra`` [r, in] are float32 rows computed in the same
         call after the block rows (an adapter's low-rank factor rides along at no extra op); with ``norm`` (weight,
         eps) the rows multiplied are ``rms_norm(x) * weight``, normalised in the same call. ``coarse``: rows (as
         flattened [start, stop) runs) whose inputs the record paths (AMX, VNNI) put on an 8-bit grid per block
         instead of the 24-bit one (one integer product per weight instead of three; ~1e-2 of the largest output
-        off): rows whose products are only drafts (mask rows in ``verified``). Ignored by the AVX kernels."""
+        off): rows whose products are only drafts (mask rows in ``verified``). ``grid_bits``: the other rows' grid
+        on the record paths: 24 (float32-accurate; the default) or 16 (each block's inputs at 2^-15 of its largest
+        |x|, ~1e-5 of an output off; VNNI then makes 16 integer products per weight block and exact row instead of
+        24: :data:`GRID_BITS`). Both ignored by the AVX kernels, which compute every row in float32."""
         x = x.contiguous()
         weight, eps = norm if norm is not None else (None, 1e-5)
         # The float32 exception rows ride with the extra rows, computed in the kernel one fixed chain per row (an
@@ -646,11 +673,22 @@ class BlockWeights:
         if self.kind == "q4_1":
             assert self.minimum is not None
             y = torch.ops.agent_mtp_blockq.q4_1_linear(
-                x, self.qs, self.scale, self.minimum, extra, None, weight, eps, self.lanes, self.tiles, list(coarse)
+                x,
+                self.qs,
+                self.scale,
+                self.minimum,
+                extra,
+                None,
+                weight,
+                eps,
+                self.lanes,
+                self.tiles,
+                list(coarse),
+                grid_bits,
             )
         else:
             y = torch.ops.agent_mtp_blockq.q8_0_linear(
-                x, self.qs, self.scale, extra, None, weight, eps, self.lanes, self.tiles, list(coarse)
+                x, self.qs, self.scale, extra, None, weight, eps, self.lanes, self.tiles, list(coarse), grid_bits
             )
         padded = int(self.qs.shape[0])
         if padded == self.out_features and count == 0:

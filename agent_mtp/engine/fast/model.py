@@ -194,9 +194,12 @@ class FastModel:
         prepack: bool = True,
         blocks: bool = True,
         kv_dtype: torch.dtype = torch.float32,
+        grid_bits: int = 24,
     ) -> None:
         if kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype={kv_dtype} is not a KV cache dtype here; use torch.float32 or torch.float16.")
+        if grid_bits not in blockq.GRID_BITS:
+            raise ValueError(f"grid_bits={grid_bits!r} is not a grid here; use 24 (float32-accurate) or 16.")
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"The fast runtime cannot run this model: {reason}.")
@@ -211,6 +214,9 @@ class FastModel:
         self.eps = float(config.rms_norm_eps)
         self.scale = 1.0 / math.sqrt(self.head_dim)
         self.max_length = int(getattr(config, "max_position_embeddings", 2048))
+        self.grid_bits = grid_bits
+        """Bits of the grid block passes on the record paths (AMX, VNNI) put exact rows on: 24 (float32-accurate)
+        or 16 (fewer integer products per row on VNNI; outputs ~1e-5 of their scale off): :data:`blockq.GRID_BITS`."""
         self.kv_dtype = kv_dtype
         """What the KV caches hold: float32 (exact), or float16 (half the bytes every pass reads from its caches;
         attention still computes in float32 on the converted values)."""
@@ -249,12 +255,20 @@ class FastModel:
         prepack: bool = True,
         blocks: bool = True,
         kv_dtype: torch.dtype = torch.float32,
+        grid_bits: int = 24,
     ) -> FastModel:
         """``blocks``: also keep weights that are exactly GGUF quantization blocks as blocks, for short passes
-        (:mod:`agent_mtp.engine.fast.blockq`); False keeps only the float32 GEMM. ``kv_dtype``: see
-        :attr:`kv_dtype`."""
+        (:mod:`agent_mtp.engine.fast.blockq`); False keeps only the float32 GEMM. ``kv_dtype``, ``grid_bits``: see
+        :attr:`kv_dtype`, :attr:`grid_bits`."""
         with torch.no_grad():
-            return cls(model, mask_token_id=mask_token_id, prepack=prepack, blocks=blocks, kv_dtype=kv_dtype)
+            return cls(
+                model,
+                mask_token_id=mask_token_id,
+                prepack=prepack,
+                blocks=blocks,
+                kv_dtype=kv_dtype,
+                grid_bits=grid_bits,
+            )
 
     def _linears(self) -> list[PackedLinear]:
         projections = [p for layer in self.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
@@ -377,7 +391,7 @@ class FastModel:
         h = kept[0] if len(kept) == 1 else torch.cat(kept)
         # the final norm inside the head's call (one op less; the kernels normalise as the layers' norms do)
         head_coarse = flat_runs(_kept_runs(coarse, segments, items)) if coarse else []
-        logits = self.lm_head(h, norm=(self.final_norm, self.eps), coarse=head_coarse)  # [sum keep, V]
+        logits = self.lm_head(h, norm=(self.final_norm, self.eps), coarse=head_coarse, grid_bits=self.grid_bits)
         return list(logits.split([item.keep for item in items])) if len(items) > 1 else [logits]
 
     def greedy_tokens(self, logits: torch.Tensor) -> list[int]:
@@ -425,7 +439,8 @@ class FastModel:
         by_kernel: bool,
     ) -> None:
         n = x.shape[0]
-        qkv = layer.qkv(x, rows, norm=(layer.input_norm, self.eps), coarse=coarse)  # [N, q + 2 kv] of rms_norm(x)
+        bits = self.grid_bits
+        qkv = layer.qkv(x, rows, norm=(layer.input_norm, self.eps), coarse=coarse, grid_bits=bits)  # of rms_norm(x)
         if layer.q_norm is not None and layer.k_norm is not None:
             self._qk_norm(qkv, layer.q_norm, layer.k_norm)
         if by_kernel:  # RoPE, cache writes and attention of every segment: one C++ call
@@ -445,14 +460,14 @@ class FastModel:
             torch.view_as_complex(qk).mul_(rope)
             parts = [self._attend_segment(qkv, seg, index) for seg in segments]
             attended = parts[0] if len(parts) == 1 else torch.cat(parts)  # [N, q]
-        layer.o.add_into(x, attended, rows, coarse)
-        gate_up = layer.gate_up(x, rows, norm=(layer.post_norm, self.eps), coarse=coarse)  # [N, 2 I] of rms_norm(x)
+        layer.o.add_into(x, attended, rows, coarse, grid_bits=bits)
+        gate_up = layer.gate_up(x, rows, norm=(layer.post_norm, self.eps), coarse=coarse, grid_bits=bits)  # [N, 2 I]
         if self._silu_kernel:  # the fused pass's op, so both give the same bits
             act = torch.ops.agent_mtp_blockq.silu_mul(gate_up, layer.inter)
         else:
             act = F.silu(gate_up[:, : layer.inter])
             act.mul_(gate_up[:, layer.inter :])
-        layer.down.add_into(x, act, rows, coarse)
+        layer.down.add_into(x, act, rows, coarse, grid_bits=bits)
 
     def _fused_layers(
         self, x: torch.Tensor, segments: Sequence[_Segment], rope: torch.Tensor, rows: MaskRuns, coarse: MaskRuns
@@ -475,6 +490,7 @@ class FastModel:
             self.eps,
             self.scale,
             flat_runs(coarse),
+            self.grid_bits,
         )
 
     def _attend_segment(self, qkv: torch.Tensor, seg: _Segment, index: int) -> torch.Tensor:

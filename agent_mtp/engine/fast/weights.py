@@ -103,12 +103,15 @@ class PackedLinear:
         """Bytes of the float32 (or bfloat16) weights a float32 GEMM pass reads."""
         return self.out_features * self.in_features * self.weight.element_size()
 
-    def add_into(self, residual: torch.Tensor, x: torch.Tensor, coarse: Sequence[int] = ()) -> torch.Tensor | None:
+    def add_into(
+        self, residual: torch.Tensor, x: torch.Tensor, coarse: Sequence[int] = (), *, grid_bits: int = 24
+    ) -> torch.Tensor | None:
         """``residual[:, :out] += x W^T + b`` in place (fused into the kernel on block passes); returns the
-        ``extra_rows``' products [n, r] (None without extra rows). ``coarse``: as for :meth:`__call__`."""
+        ``extra_rows``' products [n, r] (None without extra rows). ``coarse``, ``grid_bits``: as for
+        :meth:`__call__`."""
         blocks = self.blocks
         if blocks is not None and blocks.accumulates and self.reads_blocks(x.shape[0]):
-            extra = blocks.add_into(residual, x, self.extra_rows, coarse)
+            extra = blocks.add_into(residual, x, self.extra_rows, coarse, grid_bits=grid_bits)
             if self.bias is not None:
                 residual.add_(self.bias[: blocks.out_features])
             return extra if self.extra_rows is not None else None
@@ -117,21 +120,24 @@ class PackedLinear:
         residual.add_(y[:, :width])
         return y[:, width:] if self.extra_rows is not None else None
 
-    def __call__(self, x: torch.Tensor, norm: blockq.Norm | None = None, coarse: Sequence[int] = ()) -> torch.Tensor:
+    def __call__(
+        self, x: torch.Tensor, norm: blockq.Norm | None = None, coarse: Sequence[int] = (), *, grid_bits: int = 24
+    ) -> torch.Tensor:
         """x [n, in] (float32) -> [n, out] (float32); with ``norm`` (weight, eps) the input is ``rms_norm(x) *
         weight`` (normalised inside the kernel on block passes). ``coarse``: rows (flattened [start, stop) runs)
         that block passes on the record paths may compute on an 8-bit input grid (:meth:`BlockWeights.__call__`);
-        the float32 GEMM computes them exactly."""
+        the float32 GEMM computes them exactly. ``grid_bits``: the other rows' grid there (24 or 16, see
+        :meth:`BlockWeights.__call__`)."""
         if self.reads_blocks(x.shape[0]):
-            return self.blocks_product(x, norm, coarse)
+            return self.blocks_product(x, norm, coarse, grid_bits=grid_bits)
         return self.dense_product(x, norm)
 
     def blocks_product(
-        self, x: torch.Tensor, norm: blockq.Norm | None = None, coarse: Sequence[int] = ()
+        self, x: torch.Tensor, norm: blockq.Norm | None = None, coarse: Sequence[int] = (), *, grid_bits: int = 24
     ) -> torch.Tensor:
         """:meth:`__call__` on the quantization blocks, whatever the number of rows."""
         assert self.blocks is not None
-        y = self.blocks(x, self.extra_rows, norm, coarse)
+        y = self.blocks(x, self.extra_rows, norm, coarse, grid_bits=grid_bits)
         return y.add_(self.bias) if self.bias is not None else y
 
     def dense_product(self, x: torch.Tensor, norm: blockq.Norm | None = None) -> torch.Tensor:
@@ -405,22 +411,31 @@ class Projection:
         self.linear = PackedLinear(weight, bias, prepack=prepack, blocks=blocks, extra_rows=self.a)
 
     def __call__(
-        self, x: torch.Tensor, rows: MaskRuns, norm: blockq.Norm | None = None, coarse: MaskRuns = ()
+        self,
+        x: torch.Tensor,
+        rows: MaskRuns,
+        norm: blockq.Norm | None = None,
+        coarse: MaskRuns = (),
+        *,
+        grid_bits: int = 24,
     ) -> torch.Tensor:
         """x [n, in] -> [n, out]; ``rows``: the mask rows as runs of consecutive rows (or empty); ``norm``: an RMS
         norm (weight, eps) applied to x first; ``coarse``: the mask rows whose products are only drafts (computed
-        on an 8-bit input grid where the record paths serve the pass)."""
-        y = self.linear(x, norm, flat_runs(coarse))
+        on an 8-bit input grid where the record paths serve the pass); ``grid_bits``: the other rows' grid there
+        (24 or 16, see :meth:`~agent_mtp.engine.fast.blockq.BlockWeights.__call__`)."""
+        y = self.linear(x, norm, flat_runs(coarse), grid_bits=grid_bits)
         if self.b_t is None:
             return y
         out = self.out_features
         self._add_low_rank(y[:, :out], y[:, out:], rows, coarse)
         return y[:, :out]
 
-    def add_into(self, residual: torch.Tensor, x: torch.Tensor, rows: MaskRuns, coarse: MaskRuns = ()) -> None:
-        """``residual += self(x, rows, coarse=coarse)`` in place: the GEMM adds into the residual (in the kernel on
-        block passes), then the adapter's delta is added at the mask rows."""
-        low = self.linear.add_into(residual, x, flat_runs(coarse))
+    def add_into(
+        self, residual: torch.Tensor, x: torch.Tensor, rows: MaskRuns, coarse: MaskRuns = (), *, grid_bits: int = 24
+    ) -> None:
+        """``residual += self(x, rows, coarse=coarse, grid_bits=grid_bits)`` in place: the GEMM adds into the
+        residual (in the kernel on block passes), then the adapter's delta is added at the mask rows."""
+        low = self.linear.add_into(residual, x, flat_runs(coarse), grid_bits=grid_bits)
         if self.b_t is None or low is None:
             return
         self._add_low_rank(residual, low, rows, coarse)

@@ -544,6 +544,12 @@ int64_t avx512_forms(int64_t request) {
 // the 64 bytes c.
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,f16c,amx-tile,amx-int8")
+// Bits of the grid exact rows take: 24 (float32-accurate: the default) or 16 (a block's inputs at 2^-15 of its
+// largest |x|: a2 = 0, so VNNI skips its 8 products a block and an exact row costs 16 instead of 24).
+inline void check_grid_bits(int64_t bits) {
+  TORCH_CHECK(bits == 24 || bits == 16, "grid_bits must be 24 or 16, got ", bits);
+}
+
 namespace tiles {
 
 constexpr int64_t kFeatures = 16;   // outputs per record (a tile's 16 int32 columns)
@@ -586,6 +592,7 @@ struct Grid {
   const uint8_t* coarse = nullptr;  // [pass rows] or none: 1 where a row is on an 8-bit grid (a0 = x * 127 / peak)
   std::vector<int64_t> order;       // grid row -> pass row where the rows are reordered, else empty
   int64_t exact = 0;                // grid rows [0, exact) exact, [exact, rows) 8-bit where reordered, else all rows
+  int low_bytes = 2;                // of an exact row: 2 (a1, a2: 24 bits) or 1 (16 bits: a2 = 0, its products skipped)
   int64_t row_of(int64_t r) const { return order.empty() ? r : order[r]; }
   bool coarse_row(int64_t r) const { return coarse != nullptr && coarse[row_of(r)] != 0; }
 };
@@ -627,12 +634,18 @@ inline bool coarse_chunks_pay(int64_t rows, int64_t light) {
 }
 
 // The grid is built in storage this thread keeps from call to call (a pass makes ~120 grids: four fresh vectors
-// each cost ~2 us a call), so it serves until this thread's next on_grid.
-const Grid& on_grid(const float* x, int64_t rows, int64_t k, const uint8_t* coarse = nullptr, bool ordered = false) {
+// each cost ~2 us a call), so it serves until this thread's next on_grid. ``bits``: of the exact rows (above).
+const Grid& on_grid(const float* x, int64_t rows, int64_t k, const uint8_t* coarse = nullptr, bool ordered = false,
+                    int64_t bits = 24) {
   const int64_t blocks = k / kBlock;
   static thread_local Grid storage;
   Grid& g = storage;  // a local name: the threads of the parallel_for below must write the caller's grid, not theirs
   g.coarse = coarse;  // the caller's flags, alive for the product's call
+  g.low_bytes = bits == 16 ? 1 : 2;
+  // 16 bits: x 2^(15 - e) rounded inside [-2^15, 2^15) and moved up a byte, the 24-bit grid's value with a2 = 0 (the
+  // same step 2^(e - 23), so every product and scaling below reads it as it reads a 24-bit row)
+  const int shift_bits = bits == 16 ? 15 : 23;
+  const __m512i top16 = _mm512_set1_epi32((1 << 15) - 1), bottom16 = _mm512_set1_epi32(-(1 << 15));
   g.order.clear();
   g.exact = rows;
   if (ordered && coarse_chunks_pay(rows, light_rows(coarse, rows))) {
@@ -677,12 +690,13 @@ const Grid& on_grid(const float* x, int64_t rows, int64_t k, const uint8_t* coar
       }
       if (usable) g.step[r * blocks + b] = grid_step(peak, e);
       else g.step[r * blocks + b] = 0.0f;
-      const __m512 shift = _mm512_set1_ps(static_cast<float>(23 - e));
+      const __m512 shift = _mm512_set1_ps(static_cast<float>(shift_bits - e));
       for (int h = 0; h < 2; ++h) {
         __m512i q = _mm512_setzero_si512();
         if (usable) {
           // x 2^(23 - e) is exact (a power of two); round to nearest even, keep inside the 24-bit grid
           q = _mm512_cvtps_epi32(_mm512_scalef_ps(h == 0 ? v0 : v1, shift));
+          if (shift_bits == 15) q = _mm512_slli_epi32(_mm512_max_epi32(_mm512_min_epi32(q, top16), bottom16), 8);
           q = _mm512_max_epi32(_mm512_min_epi32(q, top), bottom);
         }
         _mm_storeu_si128(reinterpret_cast<__m128i*>(a0 + 16 * h), _mm512_cvtepi32_epi8(_mm512_srai_epi32(q, 16)));
@@ -1000,6 +1014,7 @@ inline void stream_product(const tiles::Grid& g, int64_t rows, int64_t r0, int64
   const __m512i ones = _mm512_set1_epi8(1), zero = _mm512_setzero_si512();
   const float* step = g.step.data() + r0 * blocks;
   const float* sum = g.sum.data() + r0 * blocks;
+  const bool sixteen = g.low_bytes == 1;
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* rb = rec + b * record;
     for (int64_t line = 0; line < record; line += 64)
@@ -1033,7 +1048,10 @@ inline void stream_product(const tiles::Grid& g, int64_t rows, int64_t r0, int64
         else  // (a0 + 128) x q
           s0[t % 2] = _mm512_dpbusd_epi32(s0[t % 2], _mm512_xor_si512(broadcast4(a0 + 4 * t), flip), w[t]);
       }
-      if (!coarse) {
+      if (!coarse && sixteen) {  // a 16-bit grid: a2 = 0, its products left out (the same sums)
+#pragma GCC unroll 8
+        for (int t = 0; t < 8; ++t) s1[t % 2] = _mm512_dpbusd_epi32(s1[t % 2], broadcast4(a1 + 4 * t), w[t]);
+      } else if (!coarse) {
 #pragma GCC unroll 8
         for (int t = 0; t < 8; ++t) {
           s1[t % 2] = _mm512_dpbusd_epi32(s1[t % 2], broadcast4(a1 + 4 * t), w[t]);
@@ -1275,7 +1293,8 @@ BlockView block_view(const at::Tensor& qs, const at::Tensor& scale, const float*
 // 32 (Q8_0) bytes of quants.
 template <template <int, int> class K, class L>
 void grouped_product(const float* x, int64_t rows, const BlockView& w, int64_t bytes_per_block, double eps,
-                     float* op, int64_t ldo, bool add, float* ep, int64_t lde, const uint8_t* coarse) {
+                     float* op, int64_t ldo, bool add, float* ep, int64_t lde, const uint8_t* coarse,
+                     int64_t grid_bits) {
   const int64_t k = w.k, blocks = k / kBlock, out_features = w.out_features, extra = w.extra;
   // With a norm weight, the rows multiplied are rms_norm(x) * norm (one call instead of a norm op and a product).
   const float* xp = w.norm != nullptr ? rms_normed(x, rows, k, w.norm, eps) : x;
@@ -1298,7 +1317,7 @@ void grouped_product(const float* x, int64_t rows, const BlockView& w, int64_t b
     // then the float32 extra rows.
     const int64_t records = (out_features + tiles::kFeatures - 1) / tiles::kFeatures;
     const int64_t record = q4 ? tiles::kQ41Record : tiles::kQ80Record;
-    const tiles::Grid& grid = tiles::on_grid(xp, rows, k, coarse, on_tiles);
+    const tiles::Grid& grid = tiles::on_grid(xp, rows, k, coarse, on_tiles, grid_bits);
     const uint8_t* tp = w.tiles;
     const int64_t pairs = (records + 1) / 2;  // a task multiplies two record streams (32 features)
     const int64_t dense_tasks = (extra + kGroup - 1) / kGroup, early = dense_tasks / 2;
@@ -1383,7 +1402,8 @@ void grouped_product(const float* x, int64_t rows, const BlockView& w, int64_t b
 // it and y [rows, extra] the extra rows').
 template <template <int, int> class K, class L>
 at::Tensor view_linear(const at::Tensor& x, const BlockView& w, int64_t bytes_per_block,
-                       const std::optional<at::Tensor>& residual, double eps, const uint8_t* coarse) {
+                       const std::optional<at::Tensor>& residual, double eps, const uint8_t* coarse,
+                       int64_t grid_bits) {
   const int64_t rows = x.size(0), out_features = w.out_features, extra = w.extra;
   const bool add = residual.has_value();
   if (add)
@@ -1397,7 +1417,7 @@ at::Tensor view_linear(const at::Tensor& x, const BlockView& w, int64_t bytes_pe
   float* op = add ? residual->data_ptr<float>() : yp;
   const int64_t ldo = add ? residual->stride(0) : width;
   grouped_product<K, L>(x.data_ptr<float>(), rows, w, bytes_per_block, eps, op, ldo, add, yp + (add ? 0 : out_features),
-                        width, coarse);
+                        width, coarse, grid_bits);
   return y;
 }
 
@@ -1408,11 +1428,13 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& qs, const at::T
                           const float* minimum, int64_t bytes_per_block, const std::optional<at::Tensor>& dense,
                           const std::optional<at::Tensor>& residual, const std::optional<at::Tensor>& norm,
                           double eps, const std::optional<at::Tensor>& lanes = std::nullopt,
-                          const std::optional<at::Tensor>& tiles = std::nullopt, const uint8_t* coarse = nullptr) {
+                          const std::optional<at::Tensor>& tiles = std::nullopt, const uint8_t* coarse = nullptr,
+                          int64_t grid_bits = 24) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "x must be a contiguous 2-D float32 tensor");
+  check_grid_bits(grid_bits);
   const BlockView w = block_view<L>(qs, scale, minimum, x.size(1), dense, norm, lanes, tiles);
-  return view_linear<K, L>(x, w, bytes_per_block, residual, eps, coarse);
+  return view_linear<K, L>(x, w, bytes_per_block, residual, eps, coarse, grid_bits);
 }
 
 
@@ -1449,25 +1471,25 @@ std::vector<uint8_t> coarse_flags(at::IntArrayRef runs, int64_t rows) {
 at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale, const at::Tensor& minimum,
                        const std::optional<at::Tensor>& extra, const std::optional<at::Tensor>& residual,
                        const std::optional<at::Tensor>& norm, double eps, const std::optional<at::Tensor>& lanes,
-                       const std::optional<at::Tensor>& tiles, at::IntArrayRef coarse_runs) {
+                       const std::optional<at::Tensor>& tiles, at::IntArrayRef coarse_runs, int64_t grid_bits) {
   check_inputs(x, qs, scale, 16);
   const std::vector<uint8_t> coarse = coarse_flags(coarse_runs, x.size(0));
   TORCH_CHECK(minimum.scalar_type() == at::kFloat && minimum.is_contiguous() && minimum.numel() == scale.numel(),
               "minimum must be a contiguous float32 tensor shaped like scale");
   TORCH_CHECK(qs.size(0) % kGroup == 0, "out_features must be a multiple of 8, got ", qs.size(0));
   return grouped_linear<Q41, Q41Lanes>(x, qs, scale, minimum.data_ptr<float>(), 16, extra, residual, norm, eps,
-                                      lanes, tiles, coarse.empty() ? nullptr : coarse.data());
+                                      lanes, tiles, coarse.empty() ? nullptr : coarse.data(), grid_bits);
 }
 
 at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale,
                        const std::optional<at::Tensor>& extra, const std::optional<at::Tensor>& residual,
                        const std::optional<at::Tensor>& norm, double eps, const std::optional<at::Tensor>& lanes,
-                       const std::optional<at::Tensor>& tiles, at::IntArrayRef coarse_runs) {
+                       const std::optional<at::Tensor>& tiles, at::IntArrayRef coarse_runs, int64_t grid_bits) {
   check_inputs(x, qs, scale, 32);
   const std::vector<uint8_t> coarse = coarse_flags(coarse_runs, x.size(0));
   TORCH_CHECK(qs.size(0) % kGroup == 0, "out_features must be a multiple of 8, got ", qs.size(0));
   return grouped_linear<Q80, Q80Lanes>(x, qs, scale, nullptr, 32, extra, residual, norm, eps, lanes, tiles,
-                                      coarse.empty() ? nullptr : coarse.data());
+                                      coarse.empty() ? nullptr : coarse.data(), grid_bits);
 }
 
 
@@ -2226,7 +2248,8 @@ void add_delta(at::Tensor& x, const at::Tensor& low, const at::Tensor& b_t, at::
 void decode_layers(at::Tensor x, const c10::intrusive_ptr<LayerStack>& stack, at::TensorList caches,
                    const at::Tensor& rope, at::IntArrayRef starts, at::IntArrayRef rows, at::IntArrayRef mask_runs,
                    int64_t num_heads, int64_t kv_heads, int64_t head_dim, int64_t inter, double eps, double scale,
-                   at::IntArrayRef coarse_runs) {
+                   at::IntArrayRef coarse_runs, int64_t grid_bits) {
+  check_grid_bits(grid_bits);
   const int64_t layers = stack->layers();
   const int64_t sequences = static_cast<int64_t>(starts.size());
   TORCH_CHECK(static_cast<int64_t>(caches.size()) == layers * sequences && sequences > 0,
@@ -2250,16 +2273,16 @@ void decode_layers(at::Tensor x, const c10::intrusive_ptr<LayerStack>& stack, at
     const std::optional<at::Tensor>* o = stack->optional.data() + layer * kPerLayer;
     const BlockView* v = stack->views.data() + 4 * layer;
     const auto view = [&](int part) { return masked ? v[part] : without_extra(v[part]); };
-    const at::Tensor y = view_linear<Q41, Q41Lanes>(x, view(0), 16, std::nullopt, eps, coarse);
+    const at::Tensor y = view_linear<Q41, Q41Lanes>(x, view(0), 16, std::nullopt, eps, coarse, grid_bits);
     const at::Tensor qkv = with_delta(y, qkv_out, w[5], mask_runs, o[30], o[31], coarse);
     const at::Tensor attended = attend_pairs(qkv, pairs, caches.slice(layer * sequences, sequences), starts, rows,
                                              num_heads, kv_heads, head_dim, scale);
-    const at::Tensor low_o = view_linear<Q41, Q41Lanes>(attended, view(1), 16, x, eps, coarse);
+    const at::Tensor low_o = view_linear<Q41, Q41Lanes>(attended, view(1), 16, x, eps, coarse, grid_bits);
     add_delta(x, low_o, w[11], mask_runs, o[32], o[33], coarse);
-    const at::Tensor gu_all = view_linear<Q41, Q41Lanes>(x, view(2), 16, std::nullopt, eps, coarse);
+    const at::Tensor gu_all = view_linear<Q41, Q41Lanes>(x, view(2), 16, std::nullopt, eps, coarse, grid_bits);
     const at::Tensor gate_up = with_delta(gu_all, 2 * inter, w[18], mask_runs, o[34], o[35], coarse);
     const at::Tensor act = silu_mul(gate_up, inter);
-    const at::Tensor low_d = view_linear<Q41, Q41Lanes>(act, view(3), 16, x, eps, coarse);
+    const at::Tensor low_d = view_linear<Q41, Q41Lanes>(act, view(3), 16, x, eps, coarse, grid_bits);
     add_delta(x, low_d, w[24], mask_runs, o[36], o[37], coarse);
   }
 }
@@ -2269,13 +2292,16 @@ void decode_layers(at::Tensor x, const c10::intrusive_ptr<LayerStack>& stack, at
 TORCH_LIBRARY(agent_mtp_blockq, m) {
   // extra: float32 rows multiplied after the block rows; residual: add the block rows' products into it (in place;
   // the result then holds only the extra rows'); norm: multiply rms_norm(x, eps) * norm instead of x; lanes: the
-  // quants in the lane kernels' layout, which passes of kLaneRows rows or more (per kind) then read.
+  // quants in the lane kernels' layout, which passes of kLaneRows rows or more (per kind) then read; grid_bits: of the
+  // exact rows' grid on the record paths (AMX, VNNI): 24 (float32-accurate) or 16 (VNNI: 16 products a block, not 24).
   m.def(
       "q4_1_linear(Tensor x, Tensor qs, Tensor scale, Tensor minimum, Tensor? extra=None, Tensor(a!)? residual=None, "
-      "Tensor? norm=None, float eps=1e-5, Tensor? lanes=None, Tensor? tiles=None, int[] coarse_runs=[]) -> Tensor");
+      "Tensor? norm=None, float eps=1e-5, Tensor? lanes=None, Tensor? tiles=None, int[] coarse_runs=[], "
+      "int grid_bits=24) -> Tensor");
   m.def(
       "q8_0_linear(Tensor x, Tensor qs, Tensor scale, Tensor? extra=None, Tensor(a!)? residual=None, "
-      "Tensor? norm=None, float eps=1e-5, Tensor? lanes=None, Tensor? tiles=None, int[] coarse_runs=[]) -> Tensor");
+      "Tensor? norm=None, float eps=1e-5, Tensor? lanes=None, Tensor? tiles=None, int[] coarse_runs=[], "
+      "int grid_bits=24) -> Tensor");
   // which kernel classes take their AVX-512 forms (the same numbers as the AVX2 ones; bits 1: row kernels and
   // attention, 2: lane kernels); 0 where the CPU lacks them
   m.def("avx512_forms(int request=-1) -> int", &avx512_forms);
@@ -2305,7 +2331,7 @@ TORCH_LIBRARY(agent_mtp_blockq, m) {
   m.def(
       "decode_layers(Tensor(a!) x, __torch__.torch.classes.agent_mtp_blockq.LayerStack weights, Tensor(b!)[] caches, "
       "Tensor rope, int[] starts, int[] rows, int[] mask_runs, int num_heads, int kv_heads, int head_dim, int inter, "
-      "float eps, float scale, int[] coarse_runs=[]) -> ()");
+      "float eps, float scale, int[] coarse_runs=[], int grid_bits=24) -> ()");
   // RoPE, the cache write and causal attention of a pass's new rows, every sequence (segment) of it in one call
   m.def(
       "attend(Tensor(a!) qkv, Tensor rope, Tensor(b!)[] caches, int[] starts, int[] rows, int num_heads, "
