@@ -617,31 +617,14 @@ class BlockWeights:
         ``extra`` rows' products [n, r] ([n, 0] without). Needs :attr:`accumulates`. ``coarse``, ``grid_bits``: see
         :meth:`__call__`."""
         x = x.contiguous()
-        runs = list(coarse)
+        layouts = {"lanes": self.lanes, "tiles": self.tiles, "coarse_runs": list(coarse), "grid_bits": grid_bits}
         if self.kind == "q4_1":
             assert self.minimum is not None
             return torch.ops.agent_mtp_blockq.q4_1_linear(  # type: ignore[no-any-return]
-                x,
-                self.qs,
-                self.scale,
-                self.minimum,
-                extra,
-                residual,
-                lanes=self.lanes,
-                tiles=self.tiles,
-                coarse_runs=runs,
-                grid_bits=grid_bits,
+                x, self.qs, self.scale, self.minimum, extra, residual, **layouts
             )
         return torch.ops.agent_mtp_blockq.q8_0_linear(  # type: ignore[no-any-return]
-            x,
-            self.qs,
-            self.scale,
-            extra,
-            residual,
-            lanes=self.lanes,
-            tiles=self.tiles,
-            coarse_runs=runs,
-            grid_bits=grid_bits,
+            x, self.qs, self.scale, extra, residual, **layouts
         )
 
     def __call__(
