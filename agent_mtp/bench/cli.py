@@ -60,7 +60,8 @@ def bench(
             "@fast runs on that runtime (@fast-fp32: the fast runtime without block weights; @fast-avx2: its "
             "kernels in their AVX2 forms on an AVX-512 CPU; @fast-avx512: its AVX kernels instead of AMX tiles on "
             "an AMX CPU; @fast-amx: AMX tiles for every pass where short ones otherwise take VNNI; "
-            "@fast-exact-masks: verified's mask rows computed exactly). Default: all of "
+            "@fast-exact-masks: verified's mask rows computed exactly; @fast-int16: real rows on the 16-bit "
+            "grid). Default: all of "
             "them with the threshold sweep (llama-cpp when installed)."
         ),
     ] = None,

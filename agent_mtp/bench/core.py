@@ -84,7 +84,7 @@ class Variant:
     """HF variants: ``prompt_lookup_num_tokens`` (prompt lookup decoding)."""
     runtime: str | None = None
     """Engine variants: the runtime that runs them ("fast", "fast-fp32", "fast-avx2", "fast-avx512", "fast-amx",
-    "fast-exact-masks" or "hf"; None: the engine's own)."""
+    "fast-exact-masks", "fast-int16" or "hf"; None: the engine's own)."""
     peer: str | None = None
     """Peers outside transformers: "llama-cpp"."""
 
@@ -97,7 +97,7 @@ _VARIANT_NAMES = re.compile(
     r"^(?:(?P<hf>hf-generate-(?P<dtype>fp32|bf16))|(?P<lookup>hf-prompt-lookup)|(?P<llamacpp>llama-cpp)"
     r"|(?:(?P<ntp>ntp)|static-(?P<static>\d+)|confadapt-(?P<tau>\d+(?:\.\d+)?)(?P<cauto>-auto)?"
     r"|verified(?P<drafts>-mtp-ngram|-mtp|-ngram)?(?P<vauto>-auto)?)"
-    r"(?:@(?P<runtime>fast-fp32|fast-avx2|fast-avx512|fast-amx|fast-exact-masks|fast|hf))?)$"
+    r"(?:@(?P<runtime>fast-fp32|fast-avx2|fast-avx512|fast-amx|fast-exact-masks|fast-int16|fast|hf))?)$"
 )
 
 
@@ -109,13 +109,15 @@ def variant_from_name(name: str, *, k_max: int = 8) -> Variant:
     ``@fast-avx2`` for the fast runtime with its kernels in their AVX2 forms (on a CPU with AVX-512), ``@fast-avx512``
     for its AVX kernels instead of AMX tiles (on a CPU with AMX), ``@fast-amx`` for AMX tiles on every pass (on a CPU
     with AMX and VNNI, where short passes otherwise take VNNI), ``@fast-exact-masks`` for the fast runtime with
-    ``verified``'s mask rows computed exactly (``draft_masks="exact"``)."""
+    ``verified``'s mask rows computed exactly (``draft_masks="exact"``), ``@fast-int16`` for real rows on the 16-bit
+    grid (``row_grid="int16"``)."""
     m = _VARIANT_NAMES.match(name.strip())
     if m is None:
         msg = (
             f"Unknown bench variant {name!r}; use hf-generate-fp32, hf-generate-bf16, hf-prompt-lookup, llama-cpp, "
             "ntp, static-<k>, confadapt-<tau>[-auto] or verified[-mtp|-ngram|-mtp-ngram][-auto], engine variants "
-            "optionally with @fast, @fast-fp32, @fast-avx2, @fast-avx512, @fast-amx, @fast-exact-masks or @hf."
+            "optionally with @fast, @fast-fp32, @fast-avx2, @fast-avx512, @fast-amx, @fast-exact-masks, @fast-int16 "
+            "or @hf."
         )
         raise ConfigError(msg)
     if m["llamacpp"]:

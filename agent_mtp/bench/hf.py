@@ -61,6 +61,9 @@ with AMX-INT8 or AVX-512 VNNI, to show the tile records' gain side by side. With
 FAST_EXACT_MASKS = "fast-exact-masks"
 """A bench runtime name: the fast runtime with ``verified``'s mask rows computed exactly (``draft_masks="exact"``;
 its own cost curve), to show what the 8-bit draft masks gain side by side (the same tokens)."""
+FAST_INT16 = "fast-int16"
+"""A bench runtime name: the fast runtime with real rows on the 16-bit grid (``row_grid="int16"``; its own cost
+curve), to show that grid's gain and how often its output still equals HF ``generate`` side by side."""
 FAST_AMX = "fast-amx"
 """A bench runtime name: the fast runtime with every block pass on the AMX tiles, on a CPU that also has AVX-512
 VNNI (where short passes otherwise take VNNI: :data:`agent_mtp.engine.fast.blockq.AMX_ROWS_ENV`; the same tokens,
@@ -103,6 +106,8 @@ class BaselineModels:
                 self._engines[runtime] = self.main.with_runtime("fast", block_weights=False)
             elif runtime == FAST_EXACT_MASKS:
                 self._engines[runtime] = self.main.with_runtime("fast", draft_masks="exact")
+            elif runtime == FAST_INT16:
+                self._engines[runtime] = self.main.with_runtime("fast", row_grid="int16")
             elif runtime in SIBLINGS:  # a sibling of its own: a fast-runtime main engine would return itself
                 self._engines[runtime] = MTPEngine(self.main.loaded, adapter=self.main.adapter, runtime="fast")
             else:

@@ -298,6 +298,7 @@ def test_peer_and_runtime_names_are_validated():
     assert variant_from_name("verified@fast-avx2").runtime == "fast-avx2"
     assert variant_from_name("ntp@fast-avx512").runtime == "fast-avx512"
     assert variant_from_name("verified@fast-exact-masks").runtime == "fast-exact-masks"
+    assert variant_from_name("ntp@fast-int16").runtime == "fast-int16"
     for bad in ("hf-generate-fp32@hf", "llama-cpp@fast", "ntp@gpu", "hf-generate-fp32@fast-fp32"):
         with pytest.raises(ConfigError, match="Unknown bench variant"):
             variant_from_name(bad)

@@ -147,6 +147,9 @@ def test_the_row_grid_setting_is_validated(engine: MTPEngine, monkeypatch: pytes
     assert fine.with_runtime("fast") is fine and engine.with_runtime("fast", row_grid="int24") is engine
     assert fine.with_runtime("hf").row_grid == "int24"  # the HF runtime computes rows in float32
     assert "-grid16" in fine._cost_curve_path().name and "-grid16" not in engine._cost_curve_path().name
+    from agent_mtp.bench.hf import FAST_INT16, BaselineModels
+
+    assert BaselineModels(engine).engine(FAST_INT16).row_grid == "int16"  # the bench's ntp@fast-int16 and others
     with pytest.raises(ConfigError, match=r"row_grid='int8'.*'int16'"):
         row_grid_setting("int8", "fast")
     with pytest.raises(ConfigError, match="needs the fast runtime"):
