@@ -524,6 +524,13 @@ int64_t avx512_forms(int64_t request) {
   return g_wide.load();
 }
 
+// Bits of the grid exact rows take: 24 (float32-accurate: the default) or 16 (a block's inputs at 2^-15 of its
+// largest |x|: a2 = 0, so VNNI skips its 8 products a block and an exact row costs 16 instead of 24). Outside the
+// AVX-512 target regions: every CPU calls it.
+inline void check_grid_bits(int64_t bits) {
+  TORCH_CHECK(bits == 24 || bits == 16, "grid_bits must be 24 or 16, got ", bits);
+}
+
 // ---- AMX tiles (where the CPU has AMX-INT8) ------------------------------------------------------------------------
 // Intel's AMX multiplies 8-bit integer tiles at ~1,000 multiply-adds per cycle, summed exactly in 32-bit integers.
 // A block's quants are integers, so sum_i q_i x_i needs only x in integers too, with no precision lost where it
@@ -544,12 +551,6 @@ int64_t avx512_forms(int64_t request) {
 // the 64 bytes c.
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,f16c,amx-tile,amx-int8")
-// Bits of the grid exact rows take: 24 (float32-accurate: the default) or 16 (a block's inputs at 2^-15 of its
-// largest |x|: a2 = 0, so VNNI skips its 8 products a block and an exact row costs 16 instead of 24).
-inline void check_grid_bits(int64_t bits) {
-  TORCH_CHECK(bits == 24 || bits == 16, "grid_bits must be 24 or 16, got ", bits);
-}
-
 namespace tiles {
 
 constexpr int64_t kFeatures = 16;   // outputs per record (a tile's 16 int32 columns)
