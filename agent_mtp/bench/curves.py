@@ -95,7 +95,8 @@ def measure_curves(
 ) -> CurveReport:
     """Time n-token passes on every runtime (``engine``'s model on "hf", "fast" and, where the fast runtime reads
     block weights, "fast-fp32" (float32 GEMM only), where its passes run on AMX tiles or VNNI, "fast-draft-masks"
-    (the masks draft-only, as ``verified``'s: on an 8-bit grid) and "fast-avx512" (the AVX kernels instead), where
+    (the masks draft-only, as ``verified``'s: on an 8-bit grid), "fast-int16" and "fast-int16-draft-masks" (real rows
+    on the 16-bit grid, ``row_grid="int16"``) and "fast-avx512" (the AVX kernels instead), where
     short passes take VNNI beside the AMX tiles, "fast-amx" and "fast-amx-draft-masks" (the tiles for every pass) and,
     where its kernels run in AVX-512, "fast-avx2" (the AVX kernels in their AVX2 forms), plus ``llama_cpp`` if
     given)."""
@@ -107,6 +108,9 @@ def measure_curves(
         passes["fast-fp32"] = _engine_pass(engine.with_runtime("fast", block_weights=False), prefix)
         if blockq.records_active():
             passes["fast-draft-masks"] = _engine_pass(engine.with_runtime("fast"), prefix, draft_masks=True)
+            int16 = engine.with_runtime("fast", row_grid="int16")  # real rows on the 16-bit grid
+            passes["fast-int16"] = _engine_pass(int16, prefix)
+            passes["fast-int16-draft-masks"] = _engine_pass(int16, prefix, draft_masks=True)
             if blockq.tiles_active() and blockq.tile_rows() != blockq.TILES_EVERY_PASS:
                 passes["fast-amx"] = _on_tiles(passes["fast"])
                 passes["fast-amx-draft-masks"] = _on_tiles(passes["fast-draft-masks"])

@@ -237,7 +237,15 @@ def test_bench_curves_time_the_tiles_beside_the_avx_kernels(engine: MTPEngine) -
     from agent_mtp.bench.hf import FAST_AVX512, kernels_for
 
     report = measure_curves(engine, context=16, rounds=1)
-    assert {"hf", "fast", "fast-fp32", "fast-draft-masks", "fast-avx512"} <= set(report.ms)
+    assert {
+        "hf",
+        "fast",
+        "fast-fp32",
+        "fast-draft-masks",
+        "fast-avx512",
+        "fast-int16",
+        "fast-int16-draft-masks",
+    } <= set(report.ms)
     with kernels_for(FAST_AVX512):
         assert not blockq.records_active()
     assert blockq.records_active()
