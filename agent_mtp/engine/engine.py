@@ -486,32 +486,39 @@ def _choice(name: str, value: str | None, env: str, choices: tuple[str, ...], de
     return raw
 
 
+def _fast_runtime_choice(
+    name: str, value: str | None, env: str, choices: tuple[str, ...], runtime: str, hint: str, hf_reason: str
+) -> str:
+    """:func:`_choice` of a fast-runtime setting whose first choice is the default and the only one the HF runtime
+    has: another one asked for explicitly on the HF runtime is refused (``hf_reason`` says why); the environment's
+    leaves an HF engine at the default (a process may hold both runtimes: the bench's HF peer)."""
+    default = choices[0]
+    raw = _choice(name, value, env, choices, default, hint)
+    if raw != default and runtime == "hf":
+        if value is not None:
+            raise ConfigError(f"{name}={raw!r} needs the fast runtime; {hf_reason}.")
+        return default
+    return raw
+
+
 def kv_cache_setting(value: str | None, runtime: str) -> KVCache:
     """``value``, else ``$AGENT_MTP_KV_CACHE``, else "fp32"; a clear error for anything else, and for an explicit
     "fp16" on the HF runtime (whose cache is the model's own). The environment's "fp16" leaves an HF engine at
-    "fp32" (a process may hold both runtimes: the bench's HF peer)."""
+    "fp32"."""
     hint = "a KV cache precision; use 'fp32' (the default: exact) or 'fp16' (half the bytes per pass, output may "
     hint += "differ at near-ties)"
-    raw = _choice("kv_cache", value, KV_CACHE_ENV, KV_CACHES, "fp32", hint)
-    if raw == "fp16" and runtime == "hf":
-        if value is not None:
-            raise ConfigError("kv_cache='fp16' needs the fast runtime; the HF runtime keeps the model's own cache.")
-        return "fp32"
-    return cast(KVCache, raw)
+    reason = "the HF runtime keeps the model's own cache"
+    return cast(KVCache, _fast_runtime_choice("kv_cache", value, KV_CACHE_ENV, KV_CACHES, runtime, hint, reason))
 
 
 def row_grid_setting(value: str | None, runtime: str) -> RowGrid:
     """``value``, else ``$AGENT_MTP_ROW_GRID``, else "int24"; a clear error for anything else, and for an explicit
     "int16" on the HF runtime (which computes every row in float32). The environment's "int16" leaves an HF engine
-    at "int24" (as :func:`kv_cache_setting` does)."""
+    at "int24"."""
     hint = "a grid for real rows; use 'int24' (the default: float32-accurate) or 'int16' (fewer products per row on "
     hint += "VNNI, output may differ at near-ties)"
-    raw = _choice("row_grid", value, ROW_GRID_ENV, ROW_GRIDS, "int24", hint)
-    if raw == "int16" and runtime == "hf":
-        if value is not None:
-            raise ConfigError("row_grid='int16' needs the fast runtime; the HF runtime computes rows in float32.")
-        return "int24"
-    return cast(RowGrid, raw)
+    reason = "the HF runtime computes rows in float32"
+    return cast(RowGrid, _fast_runtime_choice("row_grid", value, ROW_GRID_ENV, ROW_GRIDS, runtime, hint, reason))
 
 
 def draft_masks_setting(value: str | None) -> DraftMasks:
