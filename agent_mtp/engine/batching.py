@@ -301,6 +301,19 @@ class SharedPassCurve(CostCurve):
     def cost(self, n: int) -> float:
         return self.costs(n, 1)[0]
 
+    @property
+    def prices_masks_apart(self) -> bool:
+        """Alone, as the base curve; beside others every row alike (the fitted pass times count rows)."""
+        return self._base.prices_masks_apart and self._runner.shared_load[0] == 0
+
+    def real_costs(self, first: int, count: int) -> Sequence[float]:
+        """The base curve's (read only where :attr:`prices_masks_apart`: alone)."""
+        return self._base.real_costs(first, count)
+
+    def mask_costs(self, count: int) -> Sequence[float]:
+        """The base curve's (read only where :attr:`prices_masks_apart`: alone)."""
+        return self._base.mask_costs(count)
+
     def costs(self, first: int, count: int) -> Sequence[float]:
         others, rows = self._runner.shared_load  # the load and the fitted pass times, read once for every size
         if others == 0:

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-CURVE_POINTS = (1, 2, 4, 8, 16, 32)
+CURVE_POINTS = (1, 2, 3, 4, 8, 16, 32)
 MEMO_FIRST = 64
 """Cost ranges starting at up to this many rows are kept per curve (decode passes; prefills are not)."""
 
@@ -24,13 +24,22 @@ class CostCurve:
     """Relative cost of a forward pass by number of tokens fed (cost(1) == 1)."""
 
     points: tuple[tuple[int, float], ...]
+    """Passes of one real token and ``n - 1`` masks computed exactly (what static and ConfAdapt feed)."""
     mask_share: float = 1.0
     """What a draft-only mask row (``verified``: computed on an 8-bit input grid where the fast runtime's record
     paths serve the pass) adds to a pass, as a share of what an exact row adds; 1.0 where masks cost as much."""
+    real: tuple[tuple[int, float], ...] | None = None
+    """Passes of ``n`` real tokens, no masks (a verified pass's pending tokens and draft); None: as ``points``."""
+    draft: tuple[tuple[int, float], ...] | None = None
+    """Passes of one real token and ``n - 1`` draft-only masks (``verified``'s); None: ``points`` scaled by
+    ``mask_share``. Measured apart because the first mask turns the adapter on in every layer: on a 2-core Zen 5
+    one draft mask added 0.30 of a one-token pass, a second real token 0.06-0.10 (``points`` at 2 said 0.19-0.21
+    for both, so the planner bought masks that did not pay and left drafts that would have)."""
 
     def __post_init__(self) -> None:
-        if not self.points or self.points[0][0] != 1:
-            raise ValueError("A cost curve needs a point at n=1.")
+        for name, points in (("points", self.points), ("real", self.real), ("draft", self.draft)):
+            if points is not None and (not points or points[0][0] != 1):
+                raise ValueError(f"A cost curve needs a point at n=1 ({name}).")
         if not 0.0 < self.mask_share <= 1.0:
             raise ValueError(f"mask_share={self.mask_share} must be in (0, 1].")
 
@@ -43,17 +52,40 @@ class CostCurve:
         return [p[1] for p in self.points]
 
     def cost(self, n: int) -> float:
-        xs, ys = self._xs, self._ys  # read once per curve: the planner asks for tens of sizes per pass
-        if n <= xs[0]:
-            return ys[0]
-        if n >= xs[-1]:  # extrapolate linearly from the last segment
-            if len(xs) == 1:
-                return ys[0] * n
-            slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
-            return ys[-1] + slope * (n - xs[-1])
-        i = bisect.bisect_left(xs, n)
-        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
-        return y0 + (y1 - y0) * (n - x0) / (x1 - x0)
+        return _interpolate(self._xs, self._ys, n)  # read once per curve: the planner asks for tens of sizes a pass
+
+    @property
+    def prices_masks_apart(self) -> bool:
+        """Whether draft-only masks have a curve of their own (:attr:`draft`): the planner then prices a verified
+        pass's draft tokens on :attr:`real` and its masks on :attr:`draft`; else every row alike on
+        :attr:`points`, a mask at :attr:`mask_share` of a row."""
+        return self.draft is not None
+
+    def real_costs(self, first: int, count: int) -> Sequence[float]:
+        """``costs`` of passes of ``first .. first + count - 1`` real tokens and no masks."""
+        if self.real is None:
+            return self.costs(first, count)
+        key = (-first, count)  # negative: apart from :meth:`costs`' ranges in the memo
+        found = self._memo.get(key) if first <= MEMO_FIRST else None
+        if found is None:
+            xs, ys = [p[0] for p in self.real], [p[1] for p in self.real]
+            found = tuple(_interpolate(xs, ys, n) for n in range(first, first + count))
+            if first <= MEMO_FIRST:
+                self._memo[key] = found
+        return found
+
+    def mask_costs(self, count: int) -> Sequence[float]:
+        """``[0, ...]``: what ``0 .. count - 1`` draft-only masks add to a one-token pass (relative to it)."""
+        key = (0, -count)
+        found = self._memo.get(key)
+        if found is None:
+            if self.draft is None:
+                found = tuple(self.mask_share * (self.cost(1 + m) - 1.0) for m in range(count))
+            else:
+                xs, ys = [p[0] for p in self.draft], [p[1] for p in self.draft]
+                found = tuple(max(_interpolate(xs, ys, 1 + m) - ys[0], 0.0) for m in range(count))
+            self._memo[key] = found
+        return found
 
     @functools.cached_property
     def _memo(self) -> dict[tuple[int, int], tuple[float, ...]]:
@@ -72,17 +104,41 @@ class CostCurve:
         return found
 
     def to_json(self) -> str:
-        return json.dumps({"points": [list(p) for p in self.points], "mask_share": self.mask_share})
+        data: dict[str, object] = {"points": [list(p) for p in self.points], "mask_share": self.mask_share}
+        for name, points in (("real", self.real), ("draft", self.draft)):
+            if points is not None:
+                data[name] = [list(p) for p in points]
+        return json.dumps(data)
 
     @classmethod
     def from_json(cls, text: str) -> CostCurve:
         data = json.loads(text)
-        return cls(tuple((int(n), float(c)) for n, c in data["points"]), float(data.get("mask_share", 1.0)))
+
+        def read(points: list[list[float]] | None) -> tuple[tuple[int, float], ...] | None:
+            return None if points is None else tuple((int(n), float(c)) for n, c in points)
+
+        points = read(data["points"])
+        assert points is not None
+        return cls(points, float(data.get("mask_share", 1.0)), read(data.get("real")), read(data.get("draft")))
 
     @classmethod
     def flat(cls) -> CostCurve:
         """A GPU-like curve: extra tokens are free."""
         return cls(((1, 1.0), (64, 1.0)))
+
+
+def _interpolate(xs: Sequence[int], ys: Sequence[float], n: int) -> float:
+    """The curve (xs, ys) at ``n``: linear between points, its first value below them, its last segment beyond."""
+    if n <= xs[0]:
+        return ys[0]
+    if n >= xs[-1]:  # extrapolate linearly from the last segment
+        if len(xs) == 1:
+            return ys[0] * n
+        slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+        return ys[-1] + slope * (n - xs[-1])
+    i = bisect.bisect_left(xs, n)
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return y0 + (y1 - y0) * (n - x0) / (x1 - x0)
 
 
 MASK_SHARE_POINTS = (4, 8, 16)
@@ -97,15 +153,21 @@ def measure_cost_curve(
     points: tuple[int, ...] = CURVE_POINTS,
     repeats: int = 5,
     draft_masks_n: Callable[[int], None] | None = None,
+    real_n: Callable[[int], None] | None = None,
 ) -> CostCurve:
-    """Time ``forward_n(n)`` (one forward of n tokens on a cached prefix) and normalise by n=1; with
-    ``draft_masks_n`` (the same passes, their masks draft-only), also time it and set
-    :attr:`CostCurve.mask_share` from the extra rows' cost at :data:`MASK_SHARE_POINTS`.
+    """Time ``forward_n(n)`` (one forward of n tokens on a cached prefix: one real token, then masks) and
+    normalise by n=1; with ``draft_masks_n`` (the same passes, their masks draft-only), also time it, keep it as
+    :attr:`CostCurve.draft` and set :attr:`CostCurve.mask_share` from the extra rows' cost at
+    :data:`MASK_SHARE_POINTS`; with ``real_n`` (n real tokens), keep it as :attr:`CostCurve.real`.
 
     Robust to a busy machine: the sizes are timed in interleaved rounds and the fastest sample of each is kept
     (contention only ever adds time), and a pass of n tokens is never taken to cost more than n single passes.
     """
-    runs = {"exact": forward_n} if draft_masks_n is None else {"exact": forward_n, "draft": draft_masks_n}
+    runs = {"exact": forward_n}
+    if draft_masks_n is not None:
+        runs["draft"] = draft_masks_n
+    if real_n is not None:
+        runs["real"] = real_n
     samples: dict[str, dict[int, list[float]]] = {name: {n: [] for n in points} for name in runs}
     for run in runs.values():
         for _ in range(2):
@@ -117,21 +179,31 @@ def measure_cost_curve(
                 run(n)
                 samples[name][n].append(time.perf_counter() - start)
     exact = samples["exact"]
-    base = min(exact[1])
-    monotone, best = [], 1.0
-    for n in points:
-        cost = min(max(min(exact[n]) / base, 1.0), float(n))
-        best = max(best, cost)  # cost can only grow with n
-        monotone.append((n, best))
+    base = min(min(run[1]) for run in samples.values())  # every run's one-token pass is the same pass
     share = 1.0
     if "draft" in samples:
         sizes = [n for n in MASK_SHARE_POINTS if n in points]
         added = sum(min(exact[n]) - base for n in sizes)
         draft = samples["draft"]
         if sizes and added > 0:
-            share = sum(min(draft[n]) - min(draft[1]) for n in sizes) / added
+            share = sum(min(draft[n]) - base for n in sizes) / added
         share = min(max(share, MIN_MASK_SHARE), 1.0)
-    return CostCurve(tuple(monotone), share)
+    return CostCurve(
+        _relative(exact, points, base),
+        share,
+        _relative(samples["real"], points, base) if "real" in samples else None,
+        _relative(samples["draft"], points, base) if "draft" in samples else None,
+    )
+
+
+def _relative(samples: dict[int, list[float]], points: Sequence[int], base: float) -> tuple[tuple[int, float], ...]:
+    """The fastest sample of each size over ``base`` (one token's), never below 1 or above n, never falling."""
+    monotone, best = [], 1.0
+    for n in points:
+        cost = 1.0 if n == 1 else min(max(min(samples[n]) / base, 1.0), float(n))
+        best = max(best, cost)  # cost can only grow with n
+        monotone.append((n, best))
+    return tuple(monotone)
 
 
 def load_or_measure(path: Path, measure: Callable[[], CostCurve]) -> CostCurve:

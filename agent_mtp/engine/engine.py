@@ -443,15 +443,18 @@ class MTPEngine:
             kernels += "-kv16"
         if self.runtime != "hf" and self.row_grid == "int16":
             kernels += "-grid16"
-        name = f"{slug}-{device}-{dtype}-{self.runtime}{kernels}-t{compute_threads()}.json"
+        # c2: curves with the real-token and draft-mask passes measured apart (older files lack them)
+        name = f"{slug}-{device}-{dtype}-{self.runtime}{kernels}-t{compute_threads()}-c2.json"
         return cache_root() / "cost_curves" / name
 
     def measure_cost_curve(self) -> CostCurve:
         """Time decode-shaped passes of 1..32 tokens (one real token, then masks, every row's logits read) on a
         cached 256-token prefix on this engine's runtime now, and return the curve (relative to one token); where
-        the fast runtime's record paths (AMX, VNNI) serve the passes, the same passes with draft-only masks too
-        (:attr:`CostCurve.mask_share`). :attr:`cost_curve` measures once per machine and caches it on disk; call
-        this to measure afresh (then :meth:`set_cost_curve`)."""
+        the fast runtime's record paths (AMX, VNNI) serve the passes, the same passes with draft-only masks
+        (:attr:`CostCurve.draft`, :attr:`CostCurve.mask_share`) and passes of n real tokens (:attr:`CostCurve.real`)
+        too.
+        :attr:`cost_curve` measures once per machine and caches it on disk; call this to measure afresh (then
+        :meth:`set_cost_curve`)."""
         log.info("Measuring the forward cost curve of %s", self.model_id)
         high = min(1000, self.mask_token_id)
         length = max(min(COST_CURVE_PREFIX, self.context_window - max(CURVE_POINTS)), 1)  # small models fit too
@@ -474,7 +477,17 @@ class MTPEngine:
                     finally:
                         runner.coarse_masks = False
 
-            return measure_cost_curve(forward_n, repeats=COST_CURVE_ROUNDS, draft_masks_n=draft_masks_n)
+            def real_n(n: int) -> None:  # a verified pass's pending token and draft: n real tokens, no masks
+                runner.forward([prefix[i % len(prefix)] for i in range(n)], n)
+                runner.drop(n)
+
+            # where masks are not draft-only every row costs alike: the one curve prices them all
+            return measure_cost_curve(
+                forward_n,
+                repeats=COST_CURVE_ROUNDS,
+                draft_masks_n=draft_masks_n,
+                real_n=real_n if draft_masks_n is not None else None,
+            )
 
 
 def _choice(name: str, value: str | None, env: str, choices: tuple[str, ...], default: str, hint: str) -> str:

@@ -9,12 +9,15 @@
   passes, not in time (on a CPU an 18-token pass costs ~2x a 1-token pass), so each pass maximises
 
       value = 1 + E[accepted draft tokens] + P(whole draft accepted) * E[next MTP draft] * FUTURE_CREDIT
-      cost  = 1 + cost_curve(pending + draft length + masks) - cost_curve(pending)
+      cost  = 1 + real(pending + draft length) - real(pending) + masks_added(masks)
+      masks_added(m) = draft(1 + m) - 1 + max(0, real(n + m) - real(n) - (real(1 + m) - 1)),  n = pending + length
 
-  (value / cost) over {no draft, each source's draft} x their prefixes x mask counts: the extra rows at what they
-  add to the pass, as a one-token pass carries them (a prefill's own cost does not make them cheap), each mask at
-  the curve's ``mask_share`` of a draft row (a verified mask row is only a draft, computed on an 8-bit grid where
-  the fast runtime can). A weak adapter is used sparingly and a strong one fully, without any setting changing;
+  (value / cost) over {no draft, each source's draft} x their prefixes x mask counts: the draft's rows at what
+  they add to the pass as real tokens (``CostCurve.real``), as a one-token pass carries them (a prefill's own cost
+  does not make them cheap), and the masks at what draft-only masks add to a one-token pass (``CostCurve.draft``:
+  the first mask turns the adapter on in every layer, so it costs more than a draft token; further masks less:
+  they are computed on an 8-bit grid where the fast runtime can). A weak adapter is used sparingly and a strong
+  one fully, without any setting changing;
   output stays exact whatever is chosen. Where no option could beat the plain pass
   (:meth:`Planner.plain_if_hopeless`) the sources are not asked.
 * ``verified``, not cost-aware: the best-scoring draft and ``k_max - 1`` masks (the k rule above with "auto").
@@ -147,20 +150,25 @@ class Planner:
     def plain_if_hopeless(self, pending: int, p_max: float, room: int) -> Plan | None:
         """The plain pass (no draft, no masks) when nothing the draft sources could propose can beat it, else
         None (then ask them and :meth:`plan`). Hopeless: a verified, cost-aware pass that does not explore, where
-        one more row adds more than ``p_max`` (the largest acceptance probability any draft token or mask could
-        have) and each further row adds at least as much: an option of n rows then expects at most n * p_max
-        more tokens for more than n * p_max more cost. Skips the sources' lookups and the search, which a
-        sequence beside 7 others ran on every pass (~90 us of Python there, after a pass that left the caches
-        cold) for passes where they never paid. ``room``: tokens left minus one."""
+        every row an option could add (a draft token or a mask, the first or a further one) adds more than
+        ``p_max`` (the largest acceptance probability any draft token or mask could have): an option of n rows
+        then expects at most n * p_max more tokens for more than n * p_max more cost. Skips the sources' lookups
+        and the search, which a sequence beside 7 others ran on every pass (~90 us of Python there, after a pass
+        that left the caches cold) for passes where they never paid. ``room``: tokens left minus one."""
         if not self.cost_aware or self.curve is None or room <= 0:
             return None
         if self.explore_every and (self._passes + 1) % self.explore_every == 0:
             return None
         # every option's rows: a draft (at most AUTO_K_CAP - 1 mask tokens, or a 10-token n-gram) plus masks
-        costs = _marginal(self.curve.costs(pending, min(room, 2 * AUTO_K_CAP) + 1))
-        share = self._mask_share  # the cheapest row is a mask (draft-only masks cost this share of a row)
-        step = (costs[1] - costs[0]) * share * (1.0 - 1e-6)  # what every row adds at least (rounding of equal steps)
-        if p_max >= step or any((b - a) * share < step for a, b in itertools.pairwise(costs)):
+        rows = min(room, 2 * AUTO_K_CAP) + 1
+        if self.curve.prices_masks_apart:
+            real = _marginal(self.curve.real_costs(pending, rows))
+            added = self._mask_costs(min(rows, AUTO_K_CAP))
+            steps = [b - a for costs in (real, added) for a, b in itertools.pairwise(costs)]
+        else:  # rows alike: the cheapest row is a mask (draft-only masks cost the curve's share of a row)
+            costs = _marginal(self.curve.costs(pending, rows))
+            steps = [(b - a) * self._mask_share for a, b in itertools.pairwise(costs)]
+        if not steps or p_max >= min(steps) * (1.0 - 1e-6):  # what every row adds at least (rounding of equal steps)
             return None
         self._passes += 1
         return Plan(None, 0)
@@ -212,10 +220,18 @@ class Planner:
         self._passes += 1
         most_masks = max(self.k_cap - 1, 0)
         longest = max((min(len(c.tokens), room) for c in candidates), default=0)
-        costs = _marginal(self.curve.costs(pending, longest + max(min(most_masks, room), 0) + 1))  # [i]: + i rows
+        top = max(min(most_masks, room), 0)
+        apart = self.curve.prices_masks_apart
+        # [i]: + i draft tokens (+ masks, where every row is priced alike)
+        real = _marginal(
+            self.curve.real_costs(pending, longest + top + 1) if apart else self.curve.costs(pending, longest + top + 1)
+        )
+        added = self._mask_costs(top + 1) if apart else ()  # [m]: what m masks add to a one-token pass
+        one = [c - 1.0 for c in self.curve.real_costs(1, top + 1)] if apart else ()  # [m]: m real rows there
+        share = self._mask_share
         # A pass costs at least as much with more rows (every curve the engine builds): then, for one draft option,
         # once even its largest value over this pass's cost cannot beat the best, no more masks can.
-        prune = list(costs) == sorted(costs)  # (a kept range is a tuple)
+        prune = list(added) == sorted(added) and list(real) == sorted(real)  # (a kept range is a tuple)
         gain = [0.0, *_cumulative(self.rates.positions)]  # gain[m]: expected MTP draft tokens from m masks
         best = -1.0
         chosen: tuple[Draft | None, int, int] = (None, 0, 0)  # (candidate, draft length, masks)
@@ -226,14 +242,21 @@ class Planner:
                 run *= p
                 expected += run
                 options.append((candidate, length, expected, run))
-        share = self._mask_share
         for option, length, expected, p_all in options:
             top_masks = max(min(most_masks, room - length), 0)
             ceiling = 1.0 + expected + p_all * gain[top_masks] * FUTURE_CREDIT
             for masks in range(top_masks + 1):
-                here = costs[length] + share * (costs[length + masks] - costs[length])
-                if prune and ceiling / here <= best + 1e-12:
-                    break
+                if apart:
+                    here = real[length] + added[masks]  # a floor that grows with masks: the prune reads it
+                    if prune and ceiling / here <= best + 1e-12:
+                        break
+                    # on a longer pass (a draft, a prefill) rows may cost more than on a one-token pass: the masks
+                    # add that excess too
+                    here += max(0.0, real[length + masks] - real[length] - one[masks])
+                else:  # rows alike, each mask at the curve's share of a row
+                    here = real[length] + share * (real[length + masks] - real[length])
+                    if prune and ceiling / here <= best + 1e-12:
+                        break
                 future = p_all * gain[masks] * FUTURE_CREDIT
                 score = (1.0 + expected + future) / here
                 if score > best + 1e-12:
@@ -256,6 +279,14 @@ class Planner:
         while masks < most and self._mask_share * (cost(fed + masks + 1) - cost(fed)) <= allowance:
             masks += 1
         return masks
+
+    def _mask_costs(self, count: int) -> Sequence[float]:
+        """What 0 .. count - 1 masks add to a verified pass, relative to a one-token pass: the curve's draft-only
+        masks (:meth:`CostCurve.mask_costs`) for ``verified`` (its masks are only drafts), its exact ones else."""
+        assert self.curve is not None
+        if self.mode == "verified":
+            return self.curve.mask_costs(count)
+        return [self.curve.cost(1 + m) - 1.0 for m in range(count)]
 
     @property
     def _mask_share(self) -> float:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -311,6 +313,23 @@ def test_the_runners_argmax_serves_greedy_rows_only_where_the_constraint_allows_
     assert result.new_tokens == plain.new_tokens and constraint.taken == result.new_tokens
 
 
+def _extra_cost(curve: CostCurve, pending: int, length: int, masks: int) -> float:
+    """What a draft of ``length`` and ``masks`` masks add to a pass of ``pending`` tokens, as the planner's
+    docstring prices them: every row alike, or (a curve with draft-only masks measured apart) the draft on the
+    real-token curve and the masks on the draft curve plus what real rows add there beyond a one-token pass."""
+    if curve.draft is None:
+        return curve.cost(pending + length + masks) - curve.cost(pending)
+    real = [p for p in curve.real or curve.points]
+
+    def at(points: list[tuple[int, float]], n: int) -> float:
+        return CostCurve(tuple(points)).cost(n)
+
+    base, with_draft = at(real, pending), at(real, pending + length)
+    excess = at(real, pending + length + masks) - with_draft - (at(real, 1 + masks) - 1.0)  # beyond a one-token pass
+    masks_added = at(list(curve.draft), 1 + masks) - 1.0 + max(0.0, excess)
+    return with_draft - base + masks_added
+
+
 def _brute_force_plan(planner: Planner, pending: int, drafts: list[Draft], room: int) -> tuple[int, tuple[int, ...]]:
     """Every (draft prefix, masks) option scored as the planner's docstring says, best first in option order."""
     from agent_mtp.engine.planner import FUTURE_CREDIT
@@ -333,26 +352,36 @@ def _brute_force_plan(planner: Planner, pending: int, drafts: list[Draft], room:
             expected += p_all
         for masks in range(max(min(planner.k_cap - 1, room - len(tokens)), 0) + 1):
             future = p_all * (gains[masks - 1] if masks else 0.0) * FUTURE_CREDIT
-            extra = planner.curve.cost(pending + len(tokens) + masks) - planner.curve.cost(pending)
+            extra = _extra_cost(planner.curve, pending, len(tokens), masks)
             score = (1.0 + expected + future) / (1.0 + extra)  # extra rows at what they add to the pass
             if score > best[0] + 1e-12:
                 best = (score, tokens, masks)
     return best[2], best[1]
 
 
-def test_verified_planning_picks_what_scoring_every_option_picks() -> None:
+def _random_points(rng: random.Random, start: float = 0.0) -> tuple[tuple[int, float], ...]:
+    points, cost = [(1, 1.0)], 1.0
+    for n in (2, 4, 8, 16, 32):
+        cost += (start if n == 2 else 0.0) + rng.uniform(0.0, 0.4) * (n - points[-1][0])
+        points.append((n, cost))
+    return tuple(points)
+
+
+@pytest.mark.parametrize("apart", [False, True], ids=["rows-alike", "masks-apart"])
+def test_verified_planning_picks_what_scoring_every_option_picks(apart: bool) -> None:
     """The planner skips options that cannot win (it runs every pass, under the GIL beside other sequences'
-    decode steps); what it picks must be what scoring every draft prefix and mask count picks."""
+    decode steps); what it picks must be what scoring every draft prefix and mask count picks, with every row
+    priced alike or with draft tokens and masks priced on curves of their own (the first mask dear)."""
     import random
 
     rng = random.Random(7)
     for _ in range(400):
-        points, cost = [(1, 1.0)], 1.0
-        for n in (2, 4, 8, 16, 32):
-            cost += rng.uniform(0.0, 0.4) * (n - points[-1][0])
-            points.append((n, cost))
+        points = _random_points(rng)
+        curve = CostCurve(points)
+        if apart:
+            curve = CostCurve(points, real=_random_points(rng), draft=_random_points(rng, start=rng.uniform(0, 0.4)))
         k_cap = rng.choice([2, 4, 8, 16])
-        planner = verify_planner(CostCurve(tuple(points)), k_cap, [rng.random() for _ in range(k_cap - 1)])
+        planner = verify_planner(curve, k_cap, [rng.random() for _ in range(k_cap - 1)])
         planner.rates.ngram, planner.rates.ngram_short = rng.random(), rng.random()
         drafts = []
         for source in rng.sample(["mtp", "ngram", "grammar"], rng.randint(0, 3)):
@@ -536,12 +565,43 @@ def test_cost_curve_measures_what_a_draft_only_mask_row_adds(monkeypatch: pytest
     assert dict(curve.points)[8] == pytest.approx(1.7) and curve.mask_share == pytest.approx(0.4)
     assert CostCurve.from_json(curve.to_json()) == curve
     assert CostCurve.from_json('{"points": [[1, 1.0], [4, 2.0]]}').mask_share == 1.0  # a curve cached before
+    assert curve.draft is not None and dict(curve.draft)[8] == pytest.approx(1.28) and curve.real is None
+    apart = cost.measure_cost_curve(
+        timed(1.0), points=(1, 2, 4), repeats=2, draft_masks_n=timed(0.4), real_n=timed(0.2)
+    )
+    assert dict(apart.real or ())[4] == pytest.approx(1.06) and apart.prices_masks_apart
+    assert CostCurve.from_json(apart.to_json()) == apart
     only_exact = cost.measure_cost_curve(timed(1.0), points=(1, 4), repeats=1)
     assert only_exact.mask_share == 1.0
     cheaper_than_nothing = cost.measure_cost_curve(timed(1.0), points=(1, 4), repeats=1, draft_masks_n=timed(-1.0))
     assert cheaper_than_nothing.mask_share == cost.MIN_MASK_SHARE  # noise never makes masks free
     with pytest.raises(ValueError, match="mask_share"):
         CostCurve(((1, 1.0),), 0.0)
+
+
+def test_a_dear_first_mask_leaves_the_draft_and_a_cheap_one_is_bought() -> None:
+    """Measured on Zen 5: a second real token adds 0.06 of a one-token pass, a first draft-only mask 0.21-0.30 (it
+    turns the adapter on in every layer). One curve for both priced the mask below the draft token; the curves
+    measured apart price each at what it adds."""
+    real = ((1, 1.0), (2, 1.06), (4, 1.38), (8, 2.3), (16, 4.3), (32, 10.2))
+    draft = ((1, 1.0), (2, 1.3), (4, 1.42), (8, 2.06), (16, 3.45), (32, 8.07))
+    one_curve = CostCurve(((1, 1.0), (2, 1.25), (4, 1.57), (8, 2.6), (16, 4.7), (32, 11.0)), 0.66)
+    apart = CostCurve(one_curve.points, 0.66, real, draft)
+    assert apart.prices_masks_apart and not one_curve.prices_masks_apart
+    assert apart.mask_costs(2)[1] == pytest.approx(0.3) and apart.real_costs(1, 2)[1] == pytest.approx(1.06)
+    assert one_curve.real_costs(1, 3) == one_curve.costs(1, 3)  # without a real curve: the one curve
+    # a weak draft (accepted 30% of the time) against a mask whose draft pays next pass at 60%
+    weak = Draft((5,), "ngram", 1.0, match=1)
+    for curve, expected in ((one_curve, (1, [])), (apart, (0, [5]))):
+        planner = verify_planner(curve, 2, [0.6], ngram=0.5)
+        planner.rates.ngram_short = 0.3
+        plan = planner.plan(1, [weak], budget=40)
+        assert (plan.masks, plan.draft_tokens) == expected
+    # cheap masks on a one-token pass; on a prefill they also cost what real rows add there beyond it
+    cheap_masks = CostCurve(one_curve.points, 0.66, real, ((1, 1.0), (32, 1.31)))
+    prefill = verify_planner(cheap_masks, 8, [0.5] * 7).plan(200, [], budget=40)
+    decode = verify_planner(cheap_masks, 8, [0.5] * 7).plan(1, [], budget=40)
+    assert prefill.masks < decode.masks
 
 
 def test_verified_planner_buys_more_masks_when_they_cost_less_and_other_modes_ignore_it() -> None:
