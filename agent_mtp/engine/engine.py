@@ -452,8 +452,7 @@ class MTPEngine:
         cached 256-token prefix on this engine's runtime now, and return the curve (relative to one token); where
         the fast runtime's record paths (AMX, VNNI) serve the passes, the same passes with draft-only masks
         (:attr:`CostCurve.draft`, :attr:`CostCurve.mask_share`) and passes of n real tokens (:attr:`CostCurve.real`)
-        too.
-        :attr:`cost_curve` measures once per machine and caches it on disk; call this to measure afresh (then
+        too. :attr:`cost_curve` measures once per machine and caches it on disk; call this to measure afresh (then
         :meth:`set_cost_curve`)."""
         log.info("Measuring the forward cost curve of %s", self.model_id)
         high = min(1000, self.mask_token_id)

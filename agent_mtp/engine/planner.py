@@ -282,11 +282,9 @@ class Planner:
 
     def _mask_costs(self, count: int) -> Sequence[float]:
         """What 0 .. count - 1 masks add to a verified pass, relative to a one-token pass: the curve's draft-only
-        masks (:meth:`CostCurve.mask_costs`) for ``verified`` (its masks are only drafts), its exact ones else."""
+        masks (:meth:`CostCurve.mask_costs`; only a cost-aware verified planner prices masks apart)."""
         assert self.curve is not None
-        if self.mode == "verified":
-            return self.curve.mask_costs(count)
-        return [self.curve.cost(1 + m) - 1.0 for m in range(count)]
+        return self.curve.mask_costs(count)
 
     @property
     def _mask_share(self) -> float:
