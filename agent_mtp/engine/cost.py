@@ -33,8 +33,9 @@ class CostCurve:
     draft: tuple[tuple[int, float], ...] | None = None
     """Passes of one real token and ``n - 1`` draft-only masks (``verified``'s); None: ``points`` scaled by
     ``mask_share``. Measured apart because the first mask turns the adapter on in every layer: on a 2-core Zen 5
-    one draft mask added 0.30 of a one-token pass, a second real token 0.06-0.10 (``points`` at 2 said 0.19-0.21
-    for both, so the planner bought masks that did not pay and left drafts that would have)."""
+    one draft mask added 0.30 of a one-token pass, a second real token 0.06-0.10 (``points`` at 2 said 0.19-0.25
+    for a draft token and two thirds of that for a mask: the planner bought masks that did not pay and left drafts
+    that would have)."""
 
     def __post_init__(self) -> None:
         for name, points in (("points", self.points), ("real", self.real), ("draft", self.draft)):
