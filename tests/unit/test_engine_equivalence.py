@@ -21,9 +21,9 @@ PROMPTS = [
 
 
 LINEAR = CostCurve(((1, 1.0), (32, 2.55)), real=((1, 1.0), (32, 1.62)), draft=((1, 1.0), (2, 1.2), (32, 2.4)))
-"""Every row priced alike whatever a pass already holds: a prefix-cache hit (one pending token) and a full prefill
-(the whole prompt pending) then see the same marginal costs, so the planner makes the same choices; a measured curve
-bends, and the two could differ at the first pass on one machine and not on another."""
+"""Costs whose steps do not depend on what a pass already holds: a prefix-cache hit (one pending token) and a full
+prefill (the whole prompt pending) then see the same marginal costs, so the planner makes the same choices; a measured
+curve bends, and the two could differ at the first pass on one machine and not on another."""
 
 
 @pytest.fixture(scope="module")

@@ -372,8 +372,6 @@ def test_verified_planning_picks_what_scoring_every_option_picks(apart: bool) ->
     """The planner skips options that cannot win (it runs every pass, under the GIL beside other sequences'
     decode steps); what it picks must be what scoring every draft prefix and mask count picks, with every row
     priced alike or with draft tokens and masks priced on curves of their own (the first mask dear)."""
-    import random
-
     rng = random.Random(7)
     for _ in range(400):
         points = _random_points(rng)
