@@ -163,7 +163,7 @@ class Planner:
         rows = min(room, 2 * AUTO_K_CAP) + 1
         if self.curve.prices_masks_apart:
             real = _marginal(self.curve.real_costs(pending, rows))
-            added = self._mask_costs(min(rows, AUTO_K_CAP))
+            added = self.curve.mask_costs(min(rows, AUTO_K_CAP))
             steps = [b - a for costs in (real, added) for a, b in itertools.pairwise(costs)]
         else:  # rows alike: the cheapest row is a mask (draft-only masks cost the curve's share of a row)
             costs = _marginal(self.curve.costs(pending, rows))
@@ -226,8 +226,8 @@ class Planner:
         real = _marginal(
             self.curve.real_costs(pending, longest + top + 1) if apart else self.curve.costs(pending, longest + top + 1)
         )
-        added = self._mask_costs(top + 1) if apart else ()  # [m]: what m masks add to a one-token pass
-        one = [c - 1.0 for c in self.curve.real_costs(1, top + 1)] if apart else ()  # [m]: m real rows there
+        added = self.curve.mask_costs(top + 1) if apart else ()  # [m]: what m masks add to a one-token pass
+        one = self.curve.real_costs(1, top + 1) if apart else ()  # [m]: a one-token pass with m more real rows
         share = self._mask_share
         # A pass costs at least as much with more rows (every curve the engine builds): then, for one draft option,
         # once even its largest value over this pass's cost cannot beat the best, no more masks can.
@@ -252,7 +252,7 @@ class Planner:
                         break
                     # on a longer pass (a draft, a prefill) rows may cost more than on a one-token pass: the masks
                     # add that excess too
-                    here += max(0.0, real[length + masks] - real[length] - one[masks])
+                    here += max(0.0, real[length + masks] - real[length] - (one[masks] - 1.0))
                 else:  # rows alike, each mask at the curve's share of a row
                     here = real[length] + share * (real[length + masks] - real[length])
                     if prune and ceiling / here <= best + 1e-12:
@@ -279,12 +279,6 @@ class Planner:
         while masks < most and self._mask_share * (cost(fed + masks + 1) - cost(fed)) <= allowance:
             masks += 1
         return masks
-
-    def _mask_costs(self, count: int) -> Sequence[float]:
-        """What 0 .. count - 1 masks add to a verified pass, relative to a one-token pass: the curve's draft-only
-        masks (:meth:`CostCurve.mask_costs`; only a cost-aware verified planner prices masks apart)."""
-        assert self.curve is not None
-        return self.curve.mask_costs(count)
 
     @property
     def _mask_share(self) -> float:
