@@ -183,8 +183,8 @@ def _plain_if_hopeless(
     p_max = max([rates.ngram, rates.ngram_short] if "ngram" in cfg.drafts else [0.0])
     if rates.positions:
         p_max = max(p_max, *rates.positions)
-    if state.mtp.pending is not None:  # its tokens' probabilities read the masks' confidences (up to 1)
-        p_max = max(p_max, rates.mtp_ceiling())
+    if state.mtp.pending is not None:  # its tokens blend the masks' confidences in (up to 1)
+        p_max = max(p_max, 0.5 + 0.5 * max(rates.positions, default=0.5))
     plan = planner.plain_if_hopeless(len(state.pending), p_max, budget - 1)
     if plan is not None:
         state.mtp.offer([], [])  # a pending mask block is valid for the next pass only: this one

@@ -21,7 +21,7 @@ from agent_mtp.engine.decode import DecodeSetup, decode
 from agent_mtp.engine.fast import FastModel, FastRunner, blockq, unsupported_reason
 from agent_mtp.engine.fast.model import SourceSignature
 from agent_mtp.engine.loading import DEFAULT_MODEL_ALIASES, LoadedModel, cache_root, load_model, prefix_cache_mb
-from agent_mtp.engine.planner import AcceptancePrior, Planner, needs_cost_curve
+from agent_mtp.engine.planner import Planner, needs_cost_curve
 from agent_mtp.engine.prefix_cache import PrefixCache
 from agent_mtp.engine.prompt import eos_token_ids, render_messages
 from agent_mtp.engine.results import GenerationResult, StreamChunk
@@ -131,9 +131,6 @@ class MTPEngine:
         budget = prefix_cache_mb_setting(prefix_cache_mb)
         self.prefix_cache = PrefixCache(int(budget * 2**20))
         """Keys and values of earlier generations, reused by requests that share a prefix with them."""
-        self.acceptance = AcceptancePrior()
-        """How often each kind of draft token was accepted in this engine's verified generations: each new one's
-        planner starts from it (siblings made by :meth:`with_runtime` share it: one model, one adapter)."""
 
     # -- construction -----------------------------------------------------------------------------------------
     @classmethod
@@ -265,10 +262,7 @@ class MTPEngine:
         cfg = self._fit_to_context(cfg, len(ids))
         curve = self.cost_curve if needs_cost_curve(cfg) else None
         setup = DecodeSetup(
-            self.mask_token_id,
-            self.eos_token_ids,
-            Planner.for_config(cfg, curve, self.acceptance),
-            self.draft_masks == "int8",
+            self.mask_token_id, self.eos_token_ids, Planner.for_config(cfg, curve), self.draft_masks == "int8"
         )
         if runner is not None:
             if runner.length:
@@ -361,7 +355,7 @@ class MTPEngine:
         current = (self.runtime, self.block_weights, self.draft_masks, self.kv_cache, self.row_grid)
         if (target, blocks, masks, kv, grid) == current:
             return self
-        sibling = MTPEngine(
+        return MTPEngine(
             self.loaded,
             adapter=self.adapter,
             runtime=runtime,
@@ -370,8 +364,6 @@ class MTPEngine:
             kv_cache=kv,
             row_grid=grid,
         )
-        sibling.acceptance = self.acceptance
-        return sibling
 
     def new_runner(self) -> Runner:
         """A runner for one sequence on this engine's runtime (the fast model is prepared on first use, and again

@@ -26,7 +26,6 @@
 from __future__ import annotations
 
 import itertools
-import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -57,12 +56,6 @@ class AcceptanceRates:
     ngram_short: float = 0.2
     grammar: float = 0.8
     """Drafts of the grammar's forced text (the token jump-forward leaves to the model)."""
-    calibration: Calibration = field(default_factory=lambda: DEFAULT_CALIBRATION)
-    """P(an MTP draft token accepted) by its mask's confidence (:func:`calibrated`), as the engine's generations
-    measured it (:class:`AcceptancePrior`); the default is the blend ``0.5 * confidence + 0.25``."""
-    start: tuple[float, ...] = ()
-    """``positions`` as this generation started (the prior's rates; 0.5 where empty): how far the generation has
-    moved from them shifts its MTP draft tokens' probabilities by half as much."""
 
     def observe_positions(self, proposed: int, accepted: int) -> None:
         """``proposed`` positions beyond the first were offered and the first ``accepted`` of them kept; each
@@ -71,15 +64,12 @@ class AcceptanceRates:
             hit = 1.0 if j < accepted else 0.0
             self.positions[j] = 0.9 * self.positions[j] + 0.1 * hit
 
-    def observe_grammar(self, draft: Draft, accepted: int) -> tuple[int, int]:
-        """Learn from a grammar draft's tokens beyond those its plan forced (those are certain); returns (hits,
-        trials) among them."""
+    def observe_grammar(self, draft: Draft, accepted: int) -> None:
+        """Learn from a grammar draft's tokens beyond those its plan forced (those are certain)."""
         planned = sum(c >= 1.0 for c in draft.confidences)
         trials = min(len(draft.tokens) - planned, accepted - planned + 1)
-        if trials <= 0:
-            return 0, 0
-        self.grammar = 0.9 * self.grammar + 0.1 * (accepted - planned) / trials
-        return accepted - planned, trials
+        if trials > 0:
+            self.grammar = 0.9 * self.grammar + 0.1 * (accepted - planned) / trials
 
     def observe_ngram(self, proposed: int, accepted: int, *, match: int) -> None:
         trials = min(proposed, accepted + 1)
@@ -98,126 +88,12 @@ class AcceptanceRates:
         """P(token i of ``draft`` accepted | tokens before it accepted); MTP drafts blend in their confidences."""
         if draft.source == "mtp":
             conf = list(draft.confidences) if draft.confidences else [0.5] * len(draft.tokens)
-            probs = [self._mtp_prob(j, c) for j, c in enumerate(conf[: len(self.positions)])]
-            return probs + [0.0] * max(len(draft.tokens) - len(self.positions), 0)
+            blended = [0.5 * c + 0.5 * r for c, r in zip(conf, self.positions, strict=False)]
+            return blended + [0.0] * max(len(draft.tokens) - len(self.positions), 0)
         if draft.source == "grammar":
             certain = [c >= 1.0 for c in draft.confidences]
             return [1.0 if i < len(certain) and certain[i] else self.grammar for i in range(len(draft.tokens))]
         return [self.ngram_rate(draft.match)] * len(draft.tokens)
-
-    def mtp_ceiling(self) -> float:
-        """The largest probability any MTP draft token could be given (its mask fully confident)."""
-        return max((self._mtp_prob(j, 1.0) for j in range(len(self.positions))), default=0.0)
-
-    def _mtp_prob(self, position: int, confidence: float) -> float:
-        """The calibrated probability at ``confidence``, moved by half of what this generation has learned about
-        ``position`` beyond the rate it started from (the old blend ``0.5 * confidence + 0.5 * rate`` where nothing
-        was measured before)."""
-        start = self.start[position] if position < len(self.start) else 0.5
-        moved = calibrated(self.calibration, position, confidence) + 0.5 * (self.positions[position] - start)
-        return min(max(moved, 0.0), 1.0)
-
-
-Calibration = tuple[tuple[float, ...], tuple[float, ...]]
-"""P(accepted) of an MTP draft token at each of :data:`CALIBRATION_BINS` confidence bins (their centres), for the
-draft's first token and for the tokens after it (accepted given the ones before: a different statistic)."""
-CALIBRATION_BINS = 10
-DEFAULT_CALIBRATION: Calibration = tuple(  # type: ignore[assignment]
-    tuple(0.5 * (b + 0.5) / CALIBRATION_BINS + 0.25 for b in range(CALIBRATION_BINS)) for _ in range(2)
-)
-
-
-def calibrated(calibration: Calibration, position: int, confidence: float) -> float:
-    """``calibration`` read at ``confidence`` for draft token ``position``: linear between the bins' centres, the
-    outer segments extended to confidences 0 and 1 (half a bin), within [0, 1]."""
-    table = calibration[min(position, 1)]
-    at = confidence * CALIBRATION_BINS - 0.5
-    low = min(max(int(at), 0), CALIBRATION_BINS - 2)
-    return min(max(table[low] + (table[low + 1] - table[low]) * (at - low), 0.0), 1.0)
-
-
-def _confidence_bin(confidence: float) -> int:
-    return min(max(int(confidence * CALIBRATION_BINS), 0), CALIBRATION_BINS - 1)
-
-
-PRIOR_TRIALS = 4.0
-"""How many trials each of :class:`AcceptancePrior`'s starting guesses counts for."""
-PRIOR_MEMORY = 400.0
-"""A rate's counts halve when its trials reach this many: the prior follows the workload it serves."""
-
-
-@dataclass
-class _Count:
-    hits: float
-    trials: float
-
-    @classmethod
-    def guess(cls, rate: float) -> _Count:
-        return cls(rate * PRIOR_TRIALS, PRIOR_TRIALS)
-
-    @property
-    def rate(self) -> float:
-        return self.hits / self.trials
-
-    def add(self, hits: float, trials: float) -> None:
-        self.hits += hits
-        self.trials += trials
-        if self.trials >= PRIOR_MEMORY:
-            self.hits, self.trials = 0.5 * self.hits, 0.5 * self.trials
-
-
-class AcceptancePrior:
-    """Acceptance rates measured by every verified generation of one engine, so that each new one starts from them
-    instead of fixed guesses: an MTP draft token's by its position and by its mask's confidence (a calibration: on
-    the agent suites, with the shipped adapter, tokens at confidence 0.9-1.0 were accepted 78-83% of the time where
-    the blend ``0.5 * confidence + 0.5 * rate`` said 69-76%, and tokens at 0.6-0.8 38-50% where it said 54-66%), a
-    prompt-lookup token's by its kind of match, a grammar draft's unforced token's. A generation's planner starts
-    from a :meth:`snapshot` and still learns on its own (its text may differ from the others'); every observation
-    also goes here. Thread-safe (concurrent generations share one); nothing here changes output, only which drafts
-    a pass verifies."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._positions = [_Count.guess(0.5) for _ in range(AUTO_K_CAP - 1)]
-        self._calibration = [[_Count.guess(rate) for rate in table] for table in DEFAULT_CALIBRATION]
-        self._ngram = _Count.guess(0.5)
-        self._ngram_short = _Count.guess(0.2)
-        self._grammar = _Count.guess(0.8)
-
-    def snapshot(self, positions: int) -> AcceptanceRates:
-        """Rates for a generation that verifies up to ``positions`` MTP draft tokens a pass."""
-        with self._lock:
-            start = tuple(c.rate for c in self._positions[:positions])
-            start += (0.5,) * (positions - len(start))
-            return AcceptanceRates(
-                list(start),
-                self._ngram.rate,
-                self._ngram_short.rate,
-                self._grammar.rate,
-                calibration=(tuple(c.rate for c in self._calibration[0]), tuple(c.rate for c in self._calibration[1])),
-                start=start,
-            )
-
-    def observe_mtp(self, confidences: Sequence[float], accepted: int) -> None:
-        """An MTP draft with these ``confidences`` was verified and its first ``accepted`` tokens kept: each token
-        up to the first rejection is one trial."""
-        with self._lock:
-            for j in range(min(len(confidences), accepted + 1)):
-                hit = 1.0 if j < accepted else 0.0
-                if j < len(self._positions):
-                    self._positions[j].add(hit, 1.0)
-                self._calibration[min(j, 1)][_confidence_bin(confidences[j])].add(hit, 1.0)
-
-    def observe_ngram(self, proposed: int, accepted: int, *, match: int) -> None:
-        trials = min(proposed, accepted + 1)
-        if trials:
-            with self._lock:
-                (self._ngram_short if match == 1 else self._ngram).add(float(accepted), float(trials))
-
-    def observe_grammar(self, hits: int, trials: int) -> None:
-        if trials > 0:
-            with self._lock:
-                self._grammar.add(float(hits), float(trials))
 
 
 @dataclass(frozen=True)
@@ -251,21 +127,15 @@ class Planner:
     explore_every: int = 16
     """Every n-th pass tries the largest k (so the rates keep learning); 0 never."""
     _passes: int = 0
-    prior: AcceptancePrior | None = None
-    """Where a cost-aware verified planner's rates came from; it hears every observation too."""
 
     @classmethod
-    def for_config(cls, cfg: DecodeConfig, curve: CostCurve | None, prior: AcceptancePrior | None = None) -> Planner:
-        """The planner of one generation; ``curve`` is needed when :func:`needs_cost_curve` says so. A cost-aware
-        verified planner starts from ``prior``'s rates and reports to it (other modes' "accepted" is a confidence
-        test, not a match, so they neither read nor feed it)."""
+    def for_config(cls, cfg: DecodeConfig, curve: CostCurve | None) -> Planner:
+        """The planner of one generation; ``curve`` is needed when :func:`needs_cost_curve` says so."""
         k_cap = AUTO_K_CAP if cfg.k_max == "auto" else int(cfg.k_max)
         auto_k = cfg.k_max == "auto" and cfg.mode != "ntp"
         cost_aware = cfg.mode == "verified" and cfg.cost_aware
         if cost_aware:  # a verified pass: rates of MTP drafts and n-grams, explore more often
-            positions = max(k_cap - 1, 0)
-            rates = prior.snapshot(positions) if prior is not None else AcceptanceRates([0.5] * positions)
-            return cls(cfg.mode, k_cap, auto_k, True, curve, rates, 8, prior=prior)
+            return cls(cfg.mode, k_cap, auto_k, True, curve, AcceptanceRates([0.5] * max(k_cap - 1, 0)), 8)
         return cls(cfg.mode, k_cap, auto_k, False, curve, AcceptanceRates([0.6] * (k_cap - 1)), 16)
 
     def plan(self, pending: int, drafts: list[Draft], budget: int) -> Plan:
@@ -306,20 +176,13 @@ class Planner:
     def observe(self, plan: Plan, proposed: int, accepted: int) -> None:
         """``proposed`` tokens beyond the first were checked (draft or masks); the first ``accepted`` were kept."""
         if self.mode == "verified":
-            draft = plan.draft
-            if self.cost_aware and draft is not None:
-                if draft.source == "mtp":
-                    self.rates.observe_positions(len(draft.tokens), accepted)
-                    if self.prior is not None:
-                        self.prior.observe_mtp(draft.confidences or (0.5,) * len(draft.tokens), accepted)
-                elif draft.source == "grammar":
-                    hits, trials = self.rates.observe_grammar(draft, accepted)
-                    if self.prior is not None:
-                        self.prior.observe_grammar(hits, trials)
+            if self.cost_aware and plan.draft is not None:
+                if plan.draft.source == "mtp":
+                    self.rates.observe_positions(len(plan.draft.tokens), accepted)
+                elif plan.draft.source == "grammar":
+                    self.rates.observe_grammar(plan.draft, accepted)
                 else:
-                    self.rates.observe_ngram(len(draft.tokens), accepted, match=draft.match)
-                    if self.prior is not None:
-                        self.prior.observe_ngram(len(draft.tokens), accepted, match=draft.match)
+                    self.rates.observe_ngram(len(plan.draft.tokens), accepted, match=plan.draft.match)
         elif self.auto_k:
             self.rates.observe_positions(proposed, accepted)
 
