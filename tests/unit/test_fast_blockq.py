@@ -933,6 +933,17 @@ def test_silu_mul_matches_torch_within_a_few_ulps() -> None:
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-30, equal_nan=True)
 
 
+def test_silu_mul_of_a_prefill_splits_its_rows_without_changing_a_bit() -> None:
+    """A prefill's activation (rows x inter past the kernel's grain) runs on every thread; each element is the
+    same operations as on one thread, and as each row alone (a decode pass's size, kept on the calling thread)."""
+    inter = 1536
+    gate_up = torch.randn(96, 2 * inter, generator=torch.Generator().manual_seed(7)) * 4
+    same_bits_however_the_threads_split(lambda: torch.ops.agent_mtp_blockq.silu_mul(gate_up, inter))
+    whole = torch.ops.agent_mtp_blockq.silu_mul(gate_up, inter)
+    rows = torch.cat([torch.ops.agent_mtp_blockq.silu_mul(gate_up[r : r + 1], inter) for r in range(96)])
+    assert torch.equal(whole, rows)
+
+
 def test_silu_mul_rejects_bad_shapes_with_a_message() -> None:
     with pytest.raises(RuntimeError, match="inter % 8 == 0"):
         torch.ops.agent_mtp_blockq.silu_mul(torch.randn(2, 20), 10)
