@@ -627,10 +627,14 @@ def test_attention_kernel_matches_torch_for_every_sequence_of_a_pass(heads: int,
         torch.testing.assert_close(got[:, :, : start + n], want[:, :, : start + n], atol=1e-6, rtol=1e-6)
 
 
-@pytest.mark.parametrize(("heads", "kv_heads", "d", "rows"), [(9, 3, 64, 1), (9, 3, 64, 4), (4, 2, 128, 2)])
-def test_attention_over_a_long_cache_matches_torch(heads: int, kv_heads: int, d: int, rows: int) -> None:
-    """One sequence, a cache past L2 and few tasks (the query heads of a key / value head together) on 2 threads."""
-    start, width = 1300, (heads + 2 * kv_heads) * d
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "d", "rows", "start"),
+    [(9, 3, 64, 1, 1300), (9, 3, 64, 4, 1300), (4, 2, 128, 2, 1300), (9, 3, 64, 3, 1022), (9, 3, 64, 1, 3100)],
+)
+def test_attention_over_a_long_cache_matches_torch(heads: int, kv_heads: int, d: int, rows: int, start: int) -> None:
+    """One sequence, a cache past L2 and few tasks (the query heads of a key / value head together) on 2 threads;
+    past 1,024 positions in segments of 1,024 merged (rows on both sides of a boundary; four segments)."""
+    width = (heads + 2 * kv_heads) * d
     qkv, rope = torch.randn(rows, width), _rope(rows, d, seed=5)
     cache = torch.randn(2, kv_heads, start + rows + 3, d)
     want = _reference_attention(qkv.clone(), rope, cache.clone(), start, heads, kv_heads, d)
@@ -645,11 +649,12 @@ def test_attention_over_a_long_cache_matches_torch(heads: int, kv_heads: int, d:
     torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize(("start", "n"), [(41, 4), (130, 11)])
+@pytest.mark.parametrize(("start", "n"), [(41, 4), (130, 11), (1020, 7), (2100, 3)])
 def test_attention_of_a_row_does_not_depend_on_the_rows_beside_it(start: int, n: int) -> None:
     """A position attended in an n-row pass, alone, or batched beside another sequence gives the same bits (so
     ``verified`` equals ``ntp`` and batching changes nothing), also where the kernel shares key chunks of 64 between
-    the rows of a task (several chunks, several tasks of up to 4 rows)."""
+    the rows of a task (several chunks, several tasks of up to 4 rows), and past 1,024 positions, where a row attends
+    its cache in segments merged at the end (rows on both sides of the first boundary in one pass; three segments)."""
     heads, kv_heads, d = 6, 2, 32
     width = (heads + 2 * kv_heads) * d
     qkv, rope = torch.randn(n, width), _rope(n, d, seed=2)

@@ -1798,7 +1798,7 @@ inline void prefetch_rows(const KV* rows, int64_t from, int64_t to, int64_t d) {
 // as if it ran alone (with AVX-512, pairs share registers too). ``scratch``: n * (max count + 8) + n * d floats.
 template <typename KV>
 void attend_rows(const float* const* q, const int64_t* count, int64_t n, const KV* keys, const KV* values,
-                 int64_t d, float scale, float* const* out, float* scratch) {
+                 int64_t d, float scale, float* const* out, float* scratch, float* stats = nullptr) {
   const int64_t longest = *std::max_element(count, count + n), shortest = *std::min_element(count, count + n);
   const int64_t stride = longest + 8;
   const bool wide_rows = n > 1 && wide_rows_on();
@@ -1829,6 +1829,10 @@ void attend_rows(const float* const* q, const int64_t* count, int64_t n, const K
   float* a[kPairsPerTask];
   for (int64_t i = 0; i < n; ++i) {
     inv[i] = exp_scores(scratch + i * stride, count[i], tops[i].value());
+    if (stats != nullptr) {  // a key segment's part of a row (attend_pairs merges the parts): its max and sum
+      stats[2 * i] = tops[i].value();
+      stats[2 * i + 1] = 1.0f / inv[i];
+    }
     p[i] = scratch + i * stride;
     a[i] = acc + i * d;
     std::fill_n(a[i], d, 0.0f);
@@ -1858,6 +1862,40 @@ void rotate(float* v, int64_t heads, int64_t d, const float* rope) {
       const float a = v[p], b = v[p + 1], c = rope[p], s = rope[p + 1];
       v[p] = a * c - b * s;
       v[p + 1] = a * s + b * c;
+    }
+}
+
+// Positions a row attends in one task; a row with more attends them in segments of this many (attend_pairs).
+constexpr int64_t kKeySegment = 1024;
+
+// out[r, h] = the parts of row r (more than kKeySegment positions) merged: each part's normalised result weighted by
+// its sum of exponentials rescaled to the largest part maximum, in part order.
+void merge_parts(const std::vector<float>& parts, const std::vector<float>& stats, at::IntArrayRef starts,
+                 at::IntArrayRef rows, const std::vector<int64_t>& first_row, int64_t n, int64_t num_heads, int64_t d,
+                 float* out) {
+  const int64_t q_dim = num_heads * d;
+  for (size_t s = 0; s < rows.size(); ++s)
+    for (int64_t i = 0; i < rows[s]; ++i) {
+      const int64_t r = first_row[s] + i, total = starts[s] + i + 1;
+      if (total <= kKeySegment) continue;  // written whole by its task
+      const int64_t count = (total + kKeySegment - 1) / kKeySegment;
+      for (int64_t h = 0; h < num_heads; ++h) {
+        float top = -INFINITY;
+        for (int64_t part = 0; part < count; ++part) top = std::max(top, stats[2 * ((part * n + r) * num_heads + h)]);
+        std::vector<float> weights(static_cast<size_t>(count));
+        float total_weight = 0.0f;
+        for (int64_t part = 0; part < count; ++part) {
+          const int64_t at = (part * n + r) * num_heads + h;
+          weights[part] = stats[2 * at + 1] * std::exp(stats[2 * at] - top);
+          total_weight += weights[part];
+        }
+        float* o = out + r * q_dim + h * d;
+        for (int64_t c = 0; c < d; ++c) {
+          float sum = 0.0f;
+          for (int64_t part = 0; part < count; ++part) sum += weights[part] * parts[(part * n + r) * q_dim + h * d + c];
+          o[c] = sum / total_weight;
+        }
+      }
     }
 }
 
@@ -1940,7 +1978,12 @@ at::Tensor attend_pairs(const at::Tensor& qkv, const at::Tensor& pairs, at::Tens
   // in either split (attend_rows: pairs of heads or rows share registers, a head alone runs the one-row loops, each
   // giving the same bits), so a row's numbers do not depend on it.
   const int64_t threads = at::get_num_threads();
-  const bool split = groups > 2 && static_cast<int64_t>(chunk_row.size()) * (num_heads / heads_per_task) < 2 * threads;
+  int64_t units = 0;  // (chunk, key segment) pairs: a long cache's segments are tasks of their own (below)
+  for (size_t c = 0; c < chunk_row.size(); ++c) {
+    const int64_t s = chunk_segment[c], last = std::min(chunk_row[c] + rows_per_task, first_row[s + 1]) - 1;
+    units += (starts[s] + (last - first_row[s]) + kKeySegment) / kKeySegment;
+  }
+  const bool split = groups > 2 && units * (num_heads / heads_per_task) < 2 * threads;
   std::vector<int64_t> set_first{0};
   for (int64_t g = 0; g < kv_heads; ++g)
     for (int64_t h = g * groups; h < (g + 1) * groups;) {
@@ -1952,33 +1995,74 @@ at::Tensor attend_pairs(const at::Tensor& qkv, const at::Tensor& pairs, at::Tens
     chunk_rows();
   }
   const int64_t head_sets = static_cast<int64_t>(set_first.size()) - 1;
-  const int64_t max_count = *std::max_element(starts.begin(), starts.end()) + n;
-  const int64_t tasks = static_cast<int64_t>(chunk_row.size()) * head_sets;
+  // A row attending more than kKeySegment positions attends them in segments of kKeySegment (from position 0), one
+  // task each, whose normalised parts are merged by their maxima and sums: a long cache is then read by every
+  // thread, a contiguous part each, instead of by the one or two holding its row's query heads. The segments
+  // depend only on the row's own position count, so its numbers still do not depend on the batch or the threads.
+  std::vector<int64_t> chunk_parts(chunk_row.size());
+  int64_t most_parts = 1;
+  for (size_t c = 0; c < chunk_row.size(); ++c) {
+    const int64_t s = chunk_segment[c], last = std::min(chunk_row[c] + rows_per_task, first_row[s + 1]) - 1;
+    chunk_parts[c] = (starts[s] + (last - first_row[s]) + kKeySegment) / kKeySegment;  // ceil(count / segment)
+    most_parts = std::max(most_parts, chunk_parts[c]);
+  }
+  std::vector<int64_t> task_chunk, task_part;  // (chunk, key segment) of each task; its head set is t % head_sets
+  for (size_t c = 0; c < chunk_row.size(); ++c)
+    for (int64_t part = 0; part < chunk_parts[c]; ++part) {
+      task_chunk.push_back(static_cast<int64_t>(c));
+      task_part.push_back(part);
+    }
+  // parts of rows with more than one segment: [part][row][head] (d floats) and their (max, sum)
+  std::vector<float> parts, part_stats;
+  if (most_parts > 1) {
+    parts.resize(static_cast<size_t>(most_parts * n * q_dim));
+    part_stats.resize(static_cast<size_t>(most_parts * n * num_heads * 2));
+  }
+  const int64_t max_count = std::min(*std::max_element(starts.begin(), starts.end()) + n, kKeySegment);
+  const int64_t tasks = static_cast<int64_t>(task_chunk.size()) * head_sets;
   const auto attend_tasks = [&](int64_t begin, int64_t end, std::vector<float>& scratch) {
     scratch.resize(static_cast<size_t>(kPairsPerTask * (max_count + 8 + d)));
     const float* q[kPairsPerTask];
     float* o[kPairsPerTask];
     int64_t count[kPairsPerTask];
+    float stats[2 * kPairsPerTask];
+    int64_t stat_at[kPairsPerTask];
     for (int64_t t = begin; t < end; ++t) {
-      const int64_t chunk = t / head_sets, set = t % head_sets, s = chunk_segment[chunk];
+      const int64_t unit = t / head_sets, set = t % head_sets;
+      const int64_t chunk = task_chunk[unit], part = task_part[unit], s = chunk_segment[chunk];
       const int64_t h0 = set_first[set], h1 = set_first[set + 1];
       const int64_t r0 = chunk_row[chunk], r1 = std::min(r0 + rows_per_task, first_row[s + 1]);
+      const int64_t from = part * kKeySegment;
       int64_t pairs = 0;
-      for (int64_t r = r0; r < r1; ++r)
+      for (int64_t r = r0; r < r1; ++r) {
+        const int64_t total = starts[s] + (r - first_row[s]) + 1;
+        if (total <= from) continue;  // this row's positions end before the segment
+        const bool whole = total <= kKeySegment;  // one segment: the result itself
         for (int64_t h = h0; h < h1; ++h, ++pairs) {
           q[pairs] = base + r * ld + h * d;
-          o[pairs] = op + r * q_dim + h * d;
-          count[pairs] = starts[s] + (r - first_row[s]) + 1;
+          o[pairs] = whole ? op + r * q_dim + h * d : parts.data() + (part * n + r) * q_dim + h * d;
+          count[pairs] = std::min(total - from, kKeySegment);
+          stat_at[pairs] = whole ? -1 : (part * n + r) * num_heads + h;
         }
+      }
+      if (pairs == 0) continue;
       const int64_t capacity = caches[s].size(2), g = h0 / groups;
       const auto attend_group = [&](const auto* kv) {
-        attend_rows(q, count, pairs, kv + g * capacity * d, kv + (kv_heads + g) * capacity * d, d,
-                    static_cast<float>(scale), o, scratch.data());
+        const auto* keys = kv + (g * capacity + from) * d;
+        const auto* values = kv + ((kv_heads + g) * capacity + from) * d;
+        attend_rows(q, count, pairs, keys, values, d, static_cast<float>(scale), o, scratch.data(),
+                    most_parts > 1 ? stats : nullptr);
       };
       if (half)
         attend_group(reinterpret_cast<const uint16_t*>(caches[s].data_ptr<at::Half>()));
       else
         attend_group(caches[s].data_ptr<float>());
+      if (most_parts > 1)
+        for (int64_t i = 0; i < pairs; ++i)
+          if (stat_at[i] >= 0) {
+            part_stats[2 * stat_at[i]] = stats[2 * i];
+            part_stats[2 * stat_at[i] + 1] = stats[2 * i + 1];
+          }
     }
   };
   if (work < (1 << 16)) {  // under ~64k multiply-adds the whole call stays on this thread
@@ -1987,6 +2071,7 @@ at::Tensor attend_pairs(const at::Tensor& qkv, const at::Tensor& pairs, at::Tens
   } else {
     shared_for<std::vector<float>>(tasks, attend_tasks, [](const std::vector<float>&) {});
   }
+  if (most_parts > 1) merge_parts(parts, part_stats, starts, rows, first_row, n, num_heads, d, op);
   return out;
 }
 
