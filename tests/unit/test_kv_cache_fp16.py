@@ -29,10 +29,11 @@ def test_attention_over_a_float16_cache_is_the_float32_attention_of_its_values(
 ) -> None:
     """Over values float16 holds exactly (and RoPE at angle 0), a float16 cache gives the float32 cache's bits, on the
     AVX2 and the AVX-512 loops: the halves are converted exactly and summed in the same order. Sequences of
-    several lengths and rows in one call, one long enough for many key chunks and both threads."""
+    several lengths and rows in one call, one long enough for many key chunks and both threads, one attended in
+    segments (past 1,024 positions)."""
     if wide and not blockq.avx512_forms():
         pytest.skip("no AVX-512 forms on this CPU")
-    starts, rows = [0, 5, 37, 700], [3, 1, 6, 2]
+    starts, rows = [0, 5, 37, 700, 1500], [3, 1, 6, 2, 2]
     width = (heads + 2 * kv_heads) * d
     qkv = _halves(sum(rows), width, seed=1)
     rope = torch.polar(torch.ones(sum(rows), 1, d // 2), torch.zeros(sum(rows), 1, d // 2))  # cos 1, sin 0
