@@ -1874,6 +1874,7 @@ void merge_parts(const std::vector<float>& parts, const std::vector<float>& stat
                  at::IntArrayRef rows, const std::vector<int64_t>& first_row, int64_t n, int64_t num_heads, int64_t d,
                  float* out) {
   const int64_t q_dim = num_heads * d;
+  std::vector<float> weights;
   for (size_t s = 0; s < rows.size(); ++s)
     for (int64_t i = 0; i < rows[s]; ++i) {
       const int64_t r = first_row[s] + i, total = starts[s] + i + 1;
@@ -1882,7 +1883,7 @@ void merge_parts(const std::vector<float>& parts, const std::vector<float>& stat
       for (int64_t h = 0; h < num_heads; ++h) {
         float top = -INFINITY;
         for (int64_t part = 0; part < count; ++part) top = std::max(top, stats[2 * ((part * n + r) * num_heads + h)]);
-        std::vector<float> weights(static_cast<size_t>(count));
+        weights.assign(static_cast<size_t>(count), 0.0f);
         float total_weight = 0.0f;
         for (int64_t part = 0; part < count; ++part) {
           const int64_t at = (part * n + r) * num_heads + h;
@@ -1978,11 +1979,13 @@ at::Tensor attend_pairs(const at::Tensor& qkv, const at::Tensor& pairs, at::Tens
   // in either split (attend_rows: pairs of heads or rows share registers, a head alone runs the one-row loops, each
   // giving the same bits), so a row's numbers do not depend on it.
   const int64_t threads = at::get_num_threads();
-  int64_t units = 0;  // (chunk, key segment) pairs: a long cache's segments are tasks of their own (below)
-  for (size_t c = 0; c < chunk_row.size(); ++c) {
+  // key segments of chunk c's last (longest) row: ceil(its position count / kKeySegment)
+  const auto parts_of = [&](size_t c) {
     const int64_t s = chunk_segment[c], last = std::min(chunk_row[c] + rows_per_task, first_row[s + 1]) - 1;
-    units += (starts[s] + (last - first_row[s]) + kKeySegment) / kKeySegment;
-  }
+    return (starts[s] + (last - first_row[s]) + kKeySegment) / kKeySegment;
+  };
+  int64_t units = 0;  // (chunk, key segment) pairs: a long cache's segments are tasks of their own (below)
+  for (size_t c = 0; c < chunk_row.size(); ++c) units += parts_of(c);
   const bool split = groups > 2 && units * (num_heads / heads_per_task) < 2 * threads;
   std::vector<int64_t> set_first{0};
   for (int64_t g = 0; g < kv_heads; ++g)
@@ -2002,8 +2005,7 @@ at::Tensor attend_pairs(const at::Tensor& qkv, const at::Tensor& pairs, at::Tens
   std::vector<int64_t> chunk_parts(chunk_row.size());
   int64_t most_parts = 1;
   for (size_t c = 0; c < chunk_row.size(); ++c) {
-    const int64_t s = chunk_segment[c], last = std::min(chunk_row[c] + rows_per_task, first_row[s + 1]) - 1;
-    chunk_parts[c] = (starts[s] + (last - first_row[s]) + kKeySegment) / kKeySegment;  // ceil(count / segment)
+    chunk_parts[c] = parts_of(c);  // after the split above, which may have changed the chunks
     most_parts = std::max(most_parts, chunk_parts[c]);
   }
   std::vector<int64_t> task_chunk, task_part;  // (chunk, key segment) of each task; its head set is t % head_sets
