@@ -73,6 +73,23 @@ class _Job:
     error: BaseException | None = None
     prefill: bool = False
     """The sequence's first pass (its prompt, or what the prefix cache did not hold)."""
+    steps: int = 0
+    """A greedy run (:meth:`BatchingRunner.greedy_steps`): up to this many one-token passes, each fed the last
+    one's greedy token by the scheduler itself; 0: one pass, its caller woken after it."""
+    stop_ids: frozenset[int] = frozenset()
+    """A greedy run ends after a token in these (EOS, the request's stop tokens)."""
+    run: list[int] = field(default_factory=list)
+    """A greedy run's tokens so far, one a pass."""
+    stamps: list[float] = field(default_factory=list)
+    """When each of a greedy run's passes ended (``time.perf_counter()``)."""
+
+    def goes_on(self) -> bool:
+        """After a pass: whether this greedy run takes the next pass too (fed its last token)."""
+        if not self.steps or self.runner.closed or len(self.run) >= self.steps or self.run[-1] in self.stop_ids:
+            return False
+        self.item = BatchItem([self.run[-1]], self.item.cache, 1)
+        self.prefill = False
+        return True
 
 
 @dataclass(frozen=True)
@@ -206,15 +223,26 @@ class BatchScheduler:
                 job.done.set()
             return
         rows = sum(len(job.item.tokens) for job in batch)
-        self._last_pass_s = time.perf_counter() - started
+        ended = time.perf_counter()
+        self._last_pass_s = ended - started
         self._measure(rows, self._last_pass_s)
+        going_on: list[_Job] = []
+        for job, (logits, greedy) in zip(batch, outputs, strict=True):
+            job.logits, job.greedy = logits, greedy
+            if job.steps:
+                job.run.append(greedy[-1])
+                job.stamps.append(ended)
+                if job.goes_on():  # its next pass is already known: no wake-up, no step in Python between
+                    going_on.append(job)
+                    continue
+            job.done.set()
         with self._cond:
             self._passes += 1
             self._sequences += len(batch)
             self._rows += rows
-        for job, (logits, greedy) in zip(batch, outputs, strict=True):
-            job.logits, job.greedy = logits, greedy
-            job.done.set()
+            if going_on:
+                self._jobs.extend(going_on)
+                self._cond.notify_all()
 
     def _forward(self, items: list[BatchItem]) -> list[tuple[torch.Tensor, list[int]]]:
         """The pass, and each sequence's greedy tokens while its logits are in this core's cache (see
@@ -243,20 +271,38 @@ class BatchingRunner(FastRunner):
         self.shared_load: tuple[int, int] = (0, 0)
         """(other sequences, their rows) after this sequence's last pass: what its planner budgets against."""
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def forward(self, tokens: list[int], keep: int) -> torch.Tensor:
+        job = self._wait(_Job(self, BatchItem(tokens, self.cache, keep, self.coarse_masks), prefill=not self._fed))
+        assert job.logits is not None
+        self.tokens += tokens
+        return job.logits
+
+    def greedy_steps(self, first: int, steps: int, stop_ids: frozenset[int]) -> tuple[list[int], list[float]]:
+        """Up to ``steps`` one-token passes in the scheduler's batches, each fed the last one's greedy token by the
+        scheduler (see :class:`agent_mtp.engine.runner.GreedyRunRunner`): the caller wakes once for them all, so
+        a plain greedy sequence holds no Python step, and keeps no pass waiting for one, between its passes."""
+        if steps < 1:
+            raise ValueError(f"steps={steps} is not a number of passes; use 1 or more.")
+        item = BatchItem([first], self.cache, 1, self.coarse_masks)
+        job = self._wait(_Job(self, item, prefill=not self._fed, steps=steps, stop_ids=stop_ids))
+        self.tokens += [first, *job.run[:-1]]  # the last token is the caller's to feed
+        return list(job.run), list(job.stamps)
+
+    def _wait(self, job: _Job) -> _Job:
         if self._closed:
             raise RuntimeError("This runner left the batch; start a new one.")
-        job = _Job(self, BatchItem(tokens, self.cache, keep, self.coarse_masks), prefill=not self._fed)
         self._fed = True
         self.scheduler._submit(job)
         job.done.wait()
         if job.error is not None:
             raise job.error
-        assert job.logits is not None
-        self.tokens += tokens
         self.greedy = job.greedy
         self.shared_load = self.scheduler.load(self)
-        return job.logits
+        return job
 
     def share_curve(self, base: CostCurve) -> CostCurve:
         """The planner's curve for this sequence's passes (read by the decode loop)."""

@@ -24,6 +24,18 @@ class Runner(Protocol):
 
 
 @runtime_checkable
+class GreedyRunRunner(Runner, Protocol):
+    """A runner that can chain plain greedy one-token passes without returning to the decode loop between them
+    (a batched runner: its passes run inside a scheduler's batches, engine/batching.py)."""
+
+    def greedy_steps(self, first: int, steps: int, stop_ids: frozenset[int]) -> tuple[list[int], list[float]]:
+        """Feed ``first``, then each pass's greedy token (the argmax, mask token left out), for up to ``steps``
+        one-token passes, ending early after a token in ``stop_ids``. Returns the greedy tokens (the last one not
+        fed: it is the decode loop's next pending token) and the ``time.perf_counter()`` at which each pass ended."""
+        ...
+
+
+@runtime_checkable
 class PrefixRunner(Runner, Protocol):
     """A runner whose cache can be copied out and started from a cached prefix (for the prefix cache)."""
 

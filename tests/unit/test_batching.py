@@ -13,6 +13,7 @@ import pytest
 from agent_mtp.engine import DecodeConfig, MTPEngine
 from agent_mtp.engine.batching import BatchedEngine, PassTime, pass_time_curve, shared_pass_cost
 from agent_mtp.engine.cost import CostCurve
+from agent_mtp.engine.fast import FastRunner
 from tests.tiny import tiny_engine
 
 CURVE = CostCurve(((1, 1.0), (4, 1.3), (8, 1.6), (16, 2.2), (32, 3.4)))
@@ -290,5 +291,105 @@ def test_a_neighbours_prefill_does_not_count_as_its_next_load(engine: MTPEngine)
         assert scheduler.load(planner_side) == (1, 3)  # a decode pass of 3 rows (a draft): its rows
         planner_side.close()
         neighbour.close()
+    finally:
+        batched.close()
+
+
+def test_plain_greedy_steps_run_in_the_scheduler_without_waking_the_caller(engine: MTPEngine) -> None:
+    """``ntp`` on a batched runner takes its passes in greedy runs: the scheduler feeds each pass's argmax to the
+    next itself, so the caller wakes once a run, and the tokens, the cache and the stop are the loop's own."""
+    batched = BatchedEngine(engine)
+    scheduler = batched.scheduler
+    assert scheduler is not None
+    try:
+        alone = engine.new_runner()
+        assert isinstance(alone, FastRunner)
+        runner = scheduler.runner()
+        prompt = _ids(7, 11)
+        for r in (alone, runner):
+            r.forward(prompt, 1)
+        expected = []
+        for _ in range(6):  # the loop's own passes: feed the argmax, one pass at a time
+            assert alone.greedy is not None
+            expected.append(alone.greedy[-1])
+            alone.forward([expected[-1]], 1)
+        assert runner.greedy is not None
+        first = runner.greedy[-1]
+        assert first == expected[0]
+        before = scheduler.stats().passes
+        tokens, ended = runner.greedy_steps(first, 5, frozenset())
+        assert tokens == expected[1:6]
+        assert scheduler.stats().passes - before == 5 and ended == sorted(ended) and len(ended) == 5
+        assert runner.tokens == [*prompt, *expected[:5]] and runner.length == len(prompt) + 5  # the last not fed
+        tokens, _ = runner.greedy_steps(expected[5], 4, frozenset({tokens[0]}))  # a stop token ends the run
+        assert len(tokens) <= 4 and (len(tokens) == 4 or tokens[-1] == expected[1])
+        runner.close()
+        with pytest.raises(RuntimeError, match="left the batch"):
+            runner.greedy_steps(1, 2, frozenset())
+    finally:
+        batched.close()
+
+
+@pytest.mark.parametrize("max_new_tokens", [2, 3, 5, 8, 9])
+def test_greedy_runs_stop_where_the_loop_stops(engine: MTPEngine, max_new_tokens: int) -> None:
+    """Length, a stop token and a stop string falling anywhere inside a run: the batched output, its chunks' token
+    counts and what the runner holds afterwards (what the prefix cache keeps) are those of the loop's own passes."""
+    prompt = _ids(6, 21)
+    plain = DecodeConfig(mode="ntp", max_new_tokens=max_new_tokens, prefix_cache=False)
+    reference = engine.generate(prompt, DecodeConfig(mode="ntp", max_new_tokens=12, prefix_cache=False))
+    stop_token = reference.token_ids[max_new_tokens // 2]
+    stop_text = engine.tokenizer.decode(reference.token_ids[: max_new_tokens // 2 + 1])[-2:]
+    configs = [
+        plain,
+        plain.replace(max_new_tokens=12, stop_token_ids=(stop_token,)),
+        plain.replace(max_new_tokens=12, stop=(stop_text,)) if stop_text.strip() else plain,
+    ]
+    batched = BatchedEngine(engine)
+    assert batched.scheduler is not None
+    try:
+        for cfg in configs:
+            alone = engine.new_runner()
+            assert isinstance(alone, FastRunner)
+            chunks = list(engine.stream(prompt, cfg, runner=alone))
+            runner = batched.scheduler.runner()
+            batched_chunks = list(engine.stream(prompt, cfg, runner=runner))
+            assert [c.token_ids for c in batched_chunks] == [c.token_ids for c in chunks], cfg
+            assert "".join(c.text for c in batched_chunks) == "".join(c.text for c in chunks)
+            assert batched_chunks[-1].finish_reason == chunks[-1].finish_reason
+            assert batched_chunks[-1].stats is not None and chunks[-1].stats is not None
+            assert batched_chunks[-1].stats.forward_passes == chunks[-1].stats.forward_passes
+            assert runner.tokens == alone.tokens and runner.length == alone.length
+            runner.close()
+    finally:
+        batched.close()
+
+
+def test_a_deadline_inside_a_greedy_run_ends_at_the_pass_that_crossed_it(
+    engine: MTPEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The loop's deadline checks a greedy run's tokens against the time each one's pass ended: the token whose pass
+    ended past ``max_time`` is the last one (as after a pass of the loop's own), the rest are dropped."""
+    from agent_mtp.engine.batching import BatchingRunner
+
+    real = BatchingRunner.greedy_steps
+
+    def slow_third(
+        self: BatchingRunner, first: int, steps: int, stop_ids: frozenset[int]
+    ) -> tuple[list[int], list[float]]:
+        tokens, ended = real(self, first, steps, stop_ids)
+        return tokens, [t + (60.0 if i >= 2 else 0.0) for i, t in enumerate(ended)]  # the third pass "ended late"
+
+    monkeypatch.setattr(BatchingRunner, "greedy_steps", slow_third)
+    batched = BatchedEngine(engine)
+    assert batched.scheduler is not None
+    try:
+        runner = batched.scheduler.runner()
+        cfg = DecodeConfig(mode="ntp", max_new_tokens=20, max_time=30.0, prefix_cache=False)
+        chunks = list(engine.stream(_ids(5, 8), cfg, runner=runner))
+        assert chunks[-1].finish_reason == "timeout"
+        produced = [t for c in chunks for t in c.token_ids]
+        assert len(produced) == 1 + 3  # the prefill's token, then a run's first three (the third crossed)
+        assert runner.length == 5 + 3  # the prompt and the three tokens before the next pending one
+        runner.close()
     finally:
         batched.close()
