@@ -104,21 +104,23 @@ def decode(
     if cfg.mode == "verified":
         state.sources = _draft_sources(state, cfg)
     finish: FinishReason | None = None
-    chains = cfg.mode == "ntp" and isinstance(runner, GreedyRunRunner)  # greedy runs (_greedy_run) where it can
+    # greedy runs (_greedy_run) where the runner chains passes: ntp, and verified where no draft could pay
+    chains = cfg.mode in ("ntp", "verified") and isinstance(runner, GreedyRunRunner)
     while finish is None:
         if cfg.max_time is not None and stats.forward_passes and time.perf_counter() - start >= cfg.max_time:
             finish = "timeout"
             stats.new_tokens, stats.wall_s = len(state.out), time.perf_counter() - start
             yield StreamChunk(text=tracker.finish(), token_ids=(), finish_reason="timeout", stats=stats)
             return
-        steps = _greedy_run_steps(chains, state, cfg, constraint, cfg.max_new_tokens - len(state.out), stats)
+        budget = cfg.max_new_tokens - len(state.out)
+        steps = _greedy_run_steps(chains, state, cfg, setup, constraint, budget, stats)
         if steps:
             assert isinstance(runner, GreedyRunRunner)
             finish = yield from _greedy_run(runner, state, cfg, setup, tracker, steps, stats, start)
             continue
         with single_threaded():  # the pass runs on the compute thread; sampling here (engine/threads.py)
             result = _one_pass(
-                runner, state, cfg, setup, cfg.max_new_tokens - len(state.out), constraint, generator, stats
+                runner, state, cfg, setup, budget, constraint, generator, stats, plain_ruled_out=steps == 0
             )
             if stats.forward_passes == 1:
                 stats.prefill_s = stats.ttft_s = time.perf_counter() - start
@@ -147,17 +149,24 @@ def _greedy_run_steps(
     chains: bool,
     state: _State,
     cfg: DecodeConfig,
+    setup: DecodeSetup,
     constraint: TokenConstraint | None,
     budget: int,
     stats: DecodeStats,
-) -> int:
+) -> int | None:
     """How many passes the next greedy run takes (:data:`GREEDY_RUN` at most, the token budget): a plain greedy
-    step (``ntp``, no constraint, one pending token, after the prefill) on a runner that chains passes
-    (``chains``); 0 for a pass of the loop's own."""
-    plain = cfg.mode == "ntp" and cfg.temperature <= 0 and constraint is None and len(state.pending) == 1
+    step (no constraint, one pending token, after the prefill) on a runner that chains passes (``chains``): every
+    such ``ntp`` step, and a ``verified`` one where no draft could pay (:func:`_plain_if_hopeless`: beside other
+    sequences, most passes), up to the planner's next exploring pass. 0 for a pass of the loop's own whose
+    hopelessness was ruled out here, None where it was not asked."""
+    plain = cfg.temperature <= 0 and constraint is None and len(state.pending) == 1
     if not (chains and plain and stats.forward_passes) or budget < 2:
+        return None
+    if cfg.mode != "verified":
+        return min(GREEDY_RUN, budget)
+    if _plain_if_hopeless(state, cfg, setup.planner, budget, constraint) is None:
         return 0
-    return min(GREEDY_RUN, budget)
+    return setup.planner.plain_run(min(GREEDY_RUN, budget))
 
 
 def _greedy_run(
@@ -209,8 +218,12 @@ def _one_pass(
     constraint: TokenConstraint | None,
     generator: torch.Generator | None,
     stats: DecodeStats,
+    *,
+    plain_ruled_out: bool = False,
 ) -> _PassResult:
-    plan = _plain_if_hopeless(state, cfg, setup.planner, budget, constraint)
+    """One pass of the loop's own. ``plain_ruled_out``: :func:`_plain_if_hopeless` already said a draft could pay
+    (in :func:`_greedy_run_steps`), so the planner asks the sources at once."""
+    plan = None if plain_ruled_out else _plain_if_hopeless(state, cfg, setup.planner, budget, constraint)
     if plan is None:
         plan = setup.planner.plan(len(state.pending), _drafts(state, cfg, budget, constraint), budget)
     draft, masks = plan.draft, plan.masks

@@ -173,6 +173,15 @@ class Planner:
         self._passes += 1
         return Plan(None, 0)
 
+    def plain_run(self, limit: int) -> int:
+        """Right after :meth:`plain_if_hopeless` chose a plain pass: how many plain passes in a row (that one
+        included, at most ``limit``) come before the next exploring pass, for a greedy run to make at once; the
+        ones after the first are counted as made (a run that ends early on EOS leaves the next exploring pass a
+        little sooner)."""
+        run = limit if not self.explore_every else min(limit, self.explore_every - self._passes % self.explore_every)
+        self._passes += max(run, 1) - 1
+        return max(run, 1)
+
     def observe(self, plan: Plan, proposed: int, accepted: int) -> None:
         """``proposed`` tokens beyond the first were checked (draft or masks); the first ``accepted`` were kept."""
         if self.mode == "verified":

@@ -393,3 +393,33 @@ def test_a_deadline_inside_a_greedy_run_ends_at_the_pass_that_crossed_it(
         runner.close()
     finally:
         batched.close()
+
+
+def test_verified_takes_greedy_runs_where_no_draft_could_pay(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Beside other sequences most verified passes are hopeless (no draft could pay): those run as greedy runs, as
+    ``ntp`` does, up to the planner's next exploring pass; the output is still what the sequence gives alone."""
+    from agent_mtp.engine.batching import BatchingRunner
+
+    engine = tiny_engine(adapter=True)
+    engine.set_cost_curve(CostCurve(tuple((n, float(n)) for n in (1, 2, 4, 8, 16, 32))))  # a row costs a pass
+    runs: list[int] = []
+    real = BatchingRunner.greedy_steps
+
+    def counted(
+        self: BatchingRunner, first: int, steps: int, stop_ids: frozenset[int]
+    ) -> tuple[list[int], list[float]]:
+        runs.append(steps)
+        return real(self, first, steps, stop_ids)
+
+    monkeypatch.setattr(BatchingRunner, "greedy_steps", counted)
+    cfg = DecodeConfig(mode="verified", k_max=4, max_new_tokens=30, prefix_cache=False)
+    prompts = [_ids(6 + i, 30 + i) for i in range(3)]
+    expected = [engine.generate(p, cfg).token_ids for p in prompts]
+    batched = BatchedEngine(engine)
+    try:
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            got = list(pool.map(lambda p: batched.generate(p, cfg).token_ids, prompts))
+        assert got == expected
+        assert runs and max(runs) == 4 and sum(runs) >= 3 * 20  # most of each sequence's passes in runs
+    finally:
+        batched.close()
