@@ -166,7 +166,7 @@ def _greedy_run_steps(
         return min(GREEDY_RUN, budget)
     if _plain_if_hopeless(state, cfg, setup.planner, budget, constraint) is None:
         return 0
-    return setup.planner.plain_run(min(GREEDY_RUN, budget))
+    return setup.planner.plain_run(min(GREEDY_RUN, budget), budget - 1)
 
 
 def _greedy_run(

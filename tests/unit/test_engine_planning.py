@@ -617,14 +617,15 @@ def test_verified_planner_buys_more_masks_when_they_cost_less_and_other_modes_ig
     assert confadapt[0].plan(1, [], budget=51) == confadapt[1].plan(1, [], budget=51)  # its masks are exact
 
 
-def test_a_plain_run_stops_before_the_next_exploring_pass() -> None:
+def test_a_plain_run_stops_before_the_next_exploring_pass(monkeypatch: pytest.MonkeyPatch) -> None:
     """A greedy run after a hopeless pass covers the plain passes the planner would have made one at a time, and no
-    more: the exploring pass after them still comes, at the same pass count."""
+    more: the exploring pass after them still comes, at the same pass count, where it can afford a mask; where rows
+    are too dear for one (beside other sequences), it is plain like the rest and the runs go on through it."""
+    import agent_mtp.engine.planner as planning
     from agent_mtp.engine.config import DecodeConfig
 
     dear = CostCurve(tuple((n, float(n)) for n in (1, 2, 4, 8, 16, 32)))  # every row a whole pass: never pays
-    one_by_one, runs = (Planner.for_config(DecodeConfig(mode="verified"), dear) for _ in range(2))
-    assert one_by_one.explore_every == runs.explore_every == 8
+    shipped = planning.EXPLORE_OVERHEAD
 
     def explores(planner: Planner) -> bool:
         if planner.plain_if_hopeless(1, 0.9, 20) is not None:
@@ -632,12 +633,18 @@ def test_a_plain_run_stops_before_the_next_exploring_pass() -> None:
         planner._passes += 1  # the exploring pass, as _plan_verified counts it
         return True
 
-    singles = [explores(one_by_one) for _ in range(24)]
-    assert [i for i, explored in enumerate(singles) if explored] == [7, 15, 23]
-    made, lengths = 0, []
-    while made < 24:
-        run = 0 if explores(runs) else runs.plain_run(4)
-        lengths.append(run)
-        made += max(run, 1)
-    assert lengths == [4, 3, 0, 4, 3, 0, 4, 3, 0]  # 7 plain passes, then the explorer, as one at a time
-    assert Planner.for_config(DecodeConfig(mode="verified"), dear).plain_run(0) == 1  # at least the chosen pass
+    def passes(overhead: float) -> tuple[list[int], list[int]]:
+        monkeypatch.setattr(planning, "EXPLORE_OVERHEAD", overhead)
+        one_by_one, runs = (Planner.for_config(DecodeConfig(mode="verified"), dear) for _ in range(2))
+        assert one_by_one.explore_every == runs.explore_every == 8
+        singles = [explores(one_by_one) for _ in range(24)]
+        made, lengths = 0, []
+        while made < 24:
+            run = 0 if explores(runs) else runs.plain_run(4, 20)
+            lengths.append(run)
+            made += max(run, 1)
+        return [i for i, explored in enumerate(singles) if explored], lengths
+
+    assert passes(1.0) == ([7, 15, 23], [4, 3, 0, 4, 3, 0, 4, 3, 0])  # a mask affordable: 7 plain, the explorer
+    assert passes(shipped) == ([], [4, 4, 4, 4, 4, 4])  # a mask dearer than the allowance
+    assert Planner.for_config(DecodeConfig(mode="verified"), dear).plain_run(0, 20) == 1  # at least the chosen pass
