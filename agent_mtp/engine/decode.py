@@ -38,11 +38,12 @@ from agent_mtp.engine.threads import single_threaded
 
 GREEDY_RUN = 4
 """Plain greedy passes (unconstrained, greedy: every ``ntp`` step, and ``verified`` ones where no draft could pay) a
-batched runner chains without returning to the loop: the sequence's Python step and wake-up happen once per run
-instead of once per pass (between two batched passes every sequence's step runs in turn under the GIL, and the pass
-waits for the last). Output is the same token for token; the stream's chunks arrive a run at a time, and a cancel
-or deadline takes effect within a run. 4 measured against 1 and 8 (8 clients in one process: 854.7 against 816.3 /
-812.4 tokens/s); a run stays a few tens of milliseconds at 8 sequences."""
+fast runner chains without returning to the loop: the sequence's Python step and wake-up happen once per run instead
+of once per pass (between two batched passes every sequence's step runs in turn under the GIL, and the pass waits
+for the last; alone, each pass is handed to the compute thread and back). Output is the same token for token; the
+stream's chunks arrive a run at a time, and a cancel or deadline takes effect within a run. 4 measured against 1
+and 8 (8 clients in one process: 854.7 against 816.3 / 812.4 tokens/s); a run stays a few tens of milliseconds at 8
+sequences."""
 
 
 @dataclass

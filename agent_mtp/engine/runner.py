@@ -25,8 +25,9 @@ class Runner(Protocol):
 
 @runtime_checkable
 class GreedyRunRunner(Runner, Protocol):
-    """A runner that can chain plain greedy one-token passes without returning to the decode loop between them
-    (a batched runner: its passes run inside a scheduler's batches, engine/batching.py)."""
+    """A runner that can chain plain greedy one-token passes without returning to the decode loop between them: the
+    fast runner (the passes in one call to the compute thread) and its batched form (inside a scheduler's batches,
+    engine/batching.py)."""
 
     def greedy_steps(self, first: int, steps: int, stop_ids: frozenset[int]) -> tuple[list[int], list[float]]:
         """Feed ``first``, then each pass's greedy token (the argmax, mask token left out), for up to ``steps``

@@ -295,6 +295,46 @@ def test_a_neighbours_prefill_does_not_count_as_its_next_load(engine: MTPEngine)
         batched.close()
 
 
+class _OnePassRunner(FastRunner):
+    """A fast runner without greedy runs: the decode loop makes every pass itself (the reference for runs)."""
+
+    greedy_steps = None  # type: ignore[assignment]  # opts out of runner.GreedyRunRunner
+
+
+def _one_pass_runner(engine: MTPEngine) -> _OnePassRunner:
+    runner = engine.new_runner()
+    assert isinstance(runner, FastRunner)
+    return _OnePassRunner(runner.model)
+
+
+def test_a_single_sequence_takes_greedy_runs_on_the_compute_thread(engine: MTPEngine) -> None:
+    """The fast runner alone chains its plain greedy passes in one call to the compute thread: the same tokens and
+    cache as passes made one at a time, and the same generations."""
+    from agent_mtp.engine.runner import GreedyRunRunner
+
+    prompt = _ids(7, 12)
+    one, runs = _one_pass_runner(engine), engine.new_runner()
+    assert isinstance(runs, FastRunner) and isinstance(runs, GreedyRunRunner)
+    assert not isinstance(one, GreedyRunRunner)
+    for r in (one, runs):
+        r.forward(prompt, 1)
+    expected = []
+    for _ in range(6):
+        assert one.greedy is not None
+        expected.append(one.greedy[-1])
+        one.forward([expected[-1]], 1)
+    tokens, ended = runs.greedy_steps(expected[0], 5, frozenset())
+    assert tokens == expected[1:6] and ended == sorted(ended) and len(ended) == 5
+    assert runs.tokens == [*prompt, *expected[:5]] and runs.length == len(prompt) + 5
+    assert runs.greedy == [expected[5]]
+    with pytest.raises(ValueError, match="steps=0"):
+        runs.greedy_steps(1, 0, frozenset())
+    cfg = DecodeConfig(mode="ntp", max_new_tokens=11, prefix_cache=False)
+    alone = list(engine.stream(prompt, cfg, runner=_one_pass_runner(engine)))
+    chained = list(engine.stream(prompt, cfg, runner=engine.new_runner()))
+    assert [c.token_ids for c in chained] == [c.token_ids for c in alone]
+
+
 def test_plain_greedy_steps_run_in_the_scheduler_without_waking_the_caller(engine: MTPEngine) -> None:
     """``ntp`` on a batched runner takes its passes in greedy runs: the scheduler feeds each pass's argmax to the
     next itself, so the caller wakes once a run, and the tokens, the cache and the stop are the loop's own."""
@@ -302,8 +342,7 @@ def test_plain_greedy_steps_run_in_the_scheduler_without_waking_the_caller(engin
     scheduler = batched.scheduler
     assert scheduler is not None
     try:
-        alone = engine.new_runner()
-        assert isinstance(alone, FastRunner)
+        alone = _one_pass_runner(engine)
         runner = scheduler.runner()
         prompt = _ids(7, 11)
         for r in (alone, runner):
@@ -348,8 +387,7 @@ def test_greedy_runs_stop_where_the_loop_stops(engine: MTPEngine, max_new_tokens
     assert batched.scheduler is not None
     try:
         for cfg in configs:
-            alone = engine.new_runner()
-            assert isinstance(alone, FastRunner)
+            alone = _one_pass_runner(engine)
             chunks = list(engine.stream(prompt, cfg, runner=alone))
             runner = batched.scheduler.runner()
             batched_chunks = list(engine.stream(prompt, cfg, runner=runner))

@@ -461,7 +461,8 @@ def test_the_decode_loops_argmax_is_torchs() -> None:
 
 def test_where_rows_are_dear_the_sources_are_not_asked_and_the_output_stays(monkeypatch: pytest.MonkeyPatch) -> None:
     """A verified generation whose every extra row costs more than any draft could return (a pass shared with many
-    sequences) skips the draft sources' lookups on its non-exploring passes; its tokens stay the engine's NTP."""
+    sequences) skips the draft sources' lookups, on its exploring passes too (they could not afford one mask), and
+    takes its passes in greedy runs; its tokens stay the engine's NTP."""
     from agent_mtp.engine.config import DecodeConfig
     from agent_mtp.engine.fast import FastRunner
     from tests.tiny import tiny_engine
@@ -490,7 +491,7 @@ def test_where_rows_are_dear_the_sources_are_not_asked_and_the_output_stays(monk
     ntp = engine.generate(prompt, DecodeConfig(mode="ntp", max_new_tokens=24, prefix_cache=False))
     assert result.token_ids == ntp.token_ids
     assert result.stats.forward_passes == len(result.token_ids)  # every pass a plain one
-    assert 0 < len(asked) <= result.stats.forward_passes // 4  # only the exploring passes (every 8th) ask
+    assert len(asked) <= 1  # at most a last pass with no room for a draft asks (runs cover the others)
     asked.clear()
     engine.generate(prompt, cfg)  # alone, rows are cheap: every pass asks
     assert len(asked) >= 8

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import torch
@@ -39,6 +40,29 @@ class FastRunner:
     def _forward(self, tokens: list[int], keep: int) -> tuple[torch.Tensor, list[int]]:
         logits = self.model.forward(tokens, self.cache, keep, coarse_masks=self.coarse_masks)
         return logits, self.model.greedy_tokens(logits)
+
+    def greedy_steps(self, first: int, steps: int, stop_ids: frozenset[int]) -> tuple[list[int], list[float]]:
+        """Up to ``steps`` one-token passes in one call to the compute thread, each fed the last one's greedy token
+        (see :class:`agent_mtp.engine.runner.GreedyRunRunner`): no hand-over to the caller's thread and no decode
+        step in Python between them."""
+        if steps < 1:
+            raise ValueError(f"steps={steps} is not a number of passes; use 1 or more.")
+        return compute().run(self._greedy_steps, first, steps, stop_ids)
+
+    def _greedy_steps(self, first: int, steps: int, stop_ids: frozenset[int]) -> tuple[list[int], list[float]]:
+        tokens: list[int] = []
+        ended: list[float] = []
+        feed = first
+        for _ in range(steps):
+            logits = self.model.forward([feed], self.cache, 1)
+            self.tokens.append(feed)
+            self.greedy = self.model.greedy_tokens(logits)
+            tokens.append(self.greedy[-1])
+            ended.append(time.perf_counter())
+            if tokens[-1] in stop_ids:
+                break
+            feed = tokens[-1]
+        return tokens, ended
 
     def drop(self, num_tokens: int) -> None:
         if num_tokens > 0:
