@@ -348,7 +348,7 @@ def test_plain_greedy_steps_run_in_the_scheduler_without_waking_the_caller(engin
         for r in (alone, runner):
             r.forward(prompt, 1)
         expected = []
-        for _ in range(6):  # the loop's own passes: feed the argmax, one pass at a time
+        for _ in range(9):  # the loop's own passes: feed the argmax, one pass at a time
             assert alone.greedy is not None
             expected.append(alone.greedy[-1])
             alone.forward([expected[-1]], 1)
@@ -360,8 +360,10 @@ def test_plain_greedy_steps_run_in_the_scheduler_without_waking_the_caller(engin
         assert tokens == expected[1:6]
         assert scheduler.stats().passes - before == 5 and ended == sorted(ended) and len(ended) == 5
         assert runner.tokens == [*prompt, *expected[:5]] and runner.length == len(prompt) + 5  # the last not fed
-        tokens, _ = runner.greedy_steps(expected[5], 4, frozenset({tokens[0]}))  # a stop token ends the run
-        assert len(tokens) <= 4 and (len(tokens) == 4 or tokens[-1] == expected[1])
+        stop = expected[7]
+        tokens, _ = runner.greedy_steps(expected[5], 4, frozenset({stop}))  # a stop token ends the run after it
+        assert tokens == expected[6 : expected.index(stop, 6) + 1]
+        assert runner.length == len(prompt) + 5 + len(tokens)
         runner.close()
         with pytest.raises(RuntimeError, match="left the batch"):
             runner.greedy_steps(1, 2, frozenset())
