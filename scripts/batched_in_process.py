@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -27,6 +28,38 @@ from agent_mtp.server.settings import ServerSettings
 from agent_mtp.service import Service, shared_engine
 
 
+class InProcess:
+    """One batched `Service` behind the server's own request mapping, sent the agent suite's prompts as the load test
+    builds them (also used by scripts/fixed_workload.py)."""
+
+    def __init__(self, *, threads: int, no_tools: bool = False) -> None:
+        torch.set_num_threads(threads)
+        self.settings = ServerSettings(policy="none")
+        self.service = Service(shared_engine(self.settings.model), concurrency="batched")
+        self.serving = ChatServing(self.service, self.settings)
+        suite = load_suite("agent")
+        self.prompts = [p for p in suite if not (no_tools and (p.tools or p.response_schema is not None))]
+
+    def send(self, index: int, variant: str) -> int:
+        """Stream prompt ``index`` (modulo the suite) as ``variant``; its output tokens, as the load test counts them
+        (the usage's)."""
+        prompt = self.prompts[index % len(self.prompts)]
+        body = ChatCompletionRequest.model_validate(request_body(prompt, variant, None))
+        request = self.serving.to_service_request(body, timeout=self.settings.request_timeout_s)
+        return sum(delta.usage.output_tokens for delta in self.service.stream(request))
+
+
+def run_clients(clients: int, client: Callable[[int], None]) -> float:
+    """``client(c)`` for c in 0..clients-1, each on a thread of its own; the seconds until the last returns."""
+    start = time.perf_counter()
+    threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - start
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("variant", help="ntp, verified or confadapt (the load test's variants)")
@@ -35,39 +68,22 @@ def main() -> None:
     parser.add_argument("--no-tools", action="store_true", help="leave out prompts with tools or a response schema")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    settings = ServerSettings(policy="none")
-    service = Service(shared_engine(settings.model), concurrency="batched")
-    serving = ChatServing(service, settings)
-    prompts = [p for p in load_suite("agent") if not (args.no_tools and (p.tools or p.response_schema is not None))]
-
-    def run(index: int) -> int:
-        body = ChatCompletionRequest.model_validate(request_body(prompts[index % len(prompts)], args.variant, None))
-        tokens = 0  # as the load test counts them: the usage's output tokens
-        for delta in service.stream(serving.to_service_request(body, timeout=settings.request_timeout_s)):
-            tokens += delta.usage.output_tokens
-        return tokens
-
+    app = InProcess(threads=args.threads, no_tools=args.no_tools)
+    service, prompts = app.service, app.prompts
     for i in range(len(prompts)):  # warm-up: every prompt once (as the load test does), then measure
-        run(i)
+        app.send(i, args.variant)
     counts = [0] * args.clients
     stop = time.time() + args.seconds
 
     def client(c: int) -> None:
         j = c
         while time.time() < stop:
-            counts[c] += run(j)
+            counts[c] += app.send(j, args.variant)
             j += args.clients
 
     scheduler = service.decoder.scheduler
     before = scheduler.stats() if scheduler is not None else None
-    start = time.time()
-    threads = [threading.Thread(target=client, args=(c,)) for c in range(args.clients)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    elapsed = time.time() - start
+    elapsed = run_clients(args.clients, client)
     rate = sum(counts) / elapsed
     print(f"{args.variant}, {args.clients} clients, {len(prompts)} prompts: {rate:.1f} tokens/s")
     if scheduler is not None and before is not None:  # the measured phase only (the warm-up ran one at a time)

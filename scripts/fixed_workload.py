@@ -16,19 +16,11 @@ from __future__ import annotations
 import argparse
 import queue
 import statistics
-import threading
-import time
 from dataclasses import dataclass
 
-import torch
+from batched_in_process import InProcess, run_clients  # this folder (run as a script)
 
 import agent_mtp.engine.decode as decode
-from agent_mtp.bench.suites import load_suite
-from agent_mtp.server.loadtest import request_body
-from agent_mtp.server.protocol import ChatCompletionRequest
-from agent_mtp.server.serving import ChatServing
-from agent_mtp.server.settings import ServerSettings
-from agent_mtp.service import Service, shared_engine
 
 
 @dataclass(frozen=True)
@@ -58,23 +50,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     args = parser.parse_args()
     arms = [Arm.parse(a) for a in args.arms.split(",")]
-    torch.set_num_threads(args.threads)
-    settings = ServerSettings(policy="none")
-    service = Service(shared_engine(settings.model), concurrency="batched")
-    serving = ChatServing(service, settings)
-    prompts = load_suite("agent")
-
-    def send(index: int, variant: str) -> int:
-        body = ChatCompletionRequest.model_validate(request_body(prompts[index % len(prompts)], variant, None))
-        tokens = 0
-        for delta in service.stream(serving.to_service_request(body, timeout=settings.request_timeout_s)):
-            tokens += delta.usage.output_tokens
-        return tokens
+    app = InProcess(threads=args.threads)
 
     def drain(arm: Arm) -> float:
         decode.GREEDY_RUN = arm.greedy_run
         work: queue.Queue[int] = queue.Queue()
-        for i in range(len(prompts) * args.repeat):
+        for i in range(len(app.prompts) * args.repeat):
             work.put(i)
         counts = [0] * args.clients
 
@@ -84,19 +65,14 @@ def main() -> None:
                     i = work.get_nowait()
                 except queue.Empty:
                     return
-                counts[c] += send(i, arm.variant)
+                counts[c] += app.send(i, arm.variant)
 
-        start = time.perf_counter()
-        threads = [threading.Thread(target=client, args=(c,)) for c in range(args.clients)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        return sum(counts) / (time.perf_counter() - start)
+        elapsed = run_clients(args.clients, client)  # before the sum: the clients fill the counts
+        return sum(counts) / elapsed
 
     for variant in dict.fromkeys(arm.variant for arm in arms):  # warm-up: every prompt once, one at a time
-        for i in range(len(prompts)):
-            send(i, variant)
+        for i in range(len(app.prompts)):
+            app.send(i, variant)
     rates: dict[Arm, list[float]] = {arm: [] for arm in arms}
     for r in range(args.rounds):
         for arm in arms if r % 2 == 0 else arms[::-1]:
@@ -109,7 +85,7 @@ def main() -> None:
             f"{arm}: mean {statistics.fmean(rates[arm]):.1f} tokens/s; over {arms[0]}: median "
             f"{statistics.median(ratios):.3f} (rounds {min(ratios):.3f}-{max(ratios):.3f})"
         )
-    service.close()
+    app.service.close()
 
 
 if __name__ == "__main__":

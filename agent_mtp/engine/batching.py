@@ -281,12 +281,10 @@ class BatchingRunner(FastRunner):
         self.tokens += tokens
         return job.logits
 
-    def greedy_steps(self, first: int, steps: int, stop_ids: frozenset[int]) -> tuple[list[int], list[float]]:
-        """Up to ``steps`` one-token passes in the scheduler's batches, each fed the last one's greedy token by the
-        scheduler (see :class:`agent_mtp.engine.runner.GreedyRunRunner`): the caller wakes once for them all, so
-        a plain greedy sequence holds no Python step, and keeps no pass waiting for one, between its passes."""
-        if steps < 1:
-            raise ValueError(f"steps={steps} is not a number of passes; use 1 or more.")
+    def _greedy_run(self, first: int, steps: int, stop_ids: frozenset[int]) -> tuple[list[int], list[float]]:
+        """A greedy run (:meth:`greedy_steps`) in the scheduler's batches, each pass fed the last one's greedy token
+        by the scheduler: the caller wakes once for them all, so a plain greedy sequence holds no Python step, and
+        keeps no pass waiting for one, between its passes."""
         item = BatchItem([first], self.cache, 1, self.coarse_masks)
         job = self._wait(_Job(self, item, prefill=not self._fed, steps=steps, stop_ids=stop_ids))
         self.tokens += [first, *job.run[:-1]]  # the last token is the caller's to feed

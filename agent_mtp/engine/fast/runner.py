@@ -47,6 +47,10 @@ class FastRunner:
         step in Python between them."""
         if steps < 1:
             raise ValueError(f"steps={steps} is not a number of passes; use 1 or more.")
+        return self._greedy_run(first, steps, stop_ids)
+
+    def _greedy_run(self, first: int, steps: int, stop_ids: frozenset[int]) -> tuple[list[int], list[float]]:
+        """The run itself (:meth:`greedy_steps` checked its arguments); a batched runner makes it in the batches."""
         return compute().run(self._greedy_steps, first, steps, stop_ids)
 
     def _greedy_steps(self, first: int, steps: int, stop_ids: frozenset[int]) -> tuple[list[int], list[float]]:
