@@ -18,6 +18,7 @@ come back when the machine is idle; output stays what the mode gives alone.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -316,11 +317,17 @@ class BatchingRunner(FastRunner):
 class SharedPassCurve(CostCurve):
     """Cost of feeding n rows in a pass shared with other sequences, relative to feeding one.
 
-    With ``B`` sequences in the pass (this one included) whose others feed ``R`` rows, going from one row to n
-    lengthens the pass by ``T(R + n) - T(R + 1)`` for all ``B`` of them, so this sequence's n-row pass costs
-    ``1 + B * (T(R + n) - T(R + 1)) / T(R + 1)``: maximising tokens per unit of this cost is maximising the
-    aggregate tokens per second. ``T`` is fitted to the pass times the scheduler measures by total rows (a line,
-    or two once the measurements show the knee: :func:`pass_time_curve`). Alone (B = 1) it is the base curve.
+    With ``B`` sequences in the pass (this one included) whose others feed ``R`` rows, ``X = R - (B - 1)`` of them
+    beyond one each, this sequence's ``n - 1`` rows beyond its first share with those ``X`` what all the extra rows
+    add to the pass of one row each, in proportion to their number, for all ``B`` sequences:
+    ``1 + B * (n - 1) / (X + n - 1) * (T(R + n) - T(B)) / T(R + 1)``. On a line ``T`` that is the marginal cost
+    ``B * (T(R + n) - T(R + 1)) / T(R + 1)``, and maximising tokens per unit of it maximises the aggregate tokens
+    per second; where ``T`` steps (AMX tiles multiply rows in chunks of 8), the marginal cost of a row inside a
+    chunk another sequence opened is small while the step is large, so each sequence, priced at the margin, added
+    a draft row because others had, and together they paid the step for a few rows (8 clients: ``verified`` 0.94x
+    NTP priced at the margin). Priced at the average, a few drafts pay the step and many share it. ``T`` is fitted
+    to the pass times the scheduler measures by total rows (:func:`pass_time_curve`). Alone (B = 1) it is the base
+    curve.
     """
 
     _base: CostCurve
@@ -375,14 +382,19 @@ class SharedPassCurve(CostCurve):
 
 
 def pass_time_curve(base: CostCurve, table: Sequence[PassTime | None], *, min_count: int = 2) -> list[float]:
-    """Relative pass time by total rows 0..len(table)-1 (index 0 unused), fitted to the measured passes: a
-    continuous two-segment line (weighted least squares over the knee) when the table shows where passes turn from
-    reading weights to computing, else a straight line; every slope at least the base curve's, so noise never makes
-    extra rows look free. The base curve until two row counts have been measured ``min_count`` times.
+    """Relative pass time by total rows 0..len(table)-1 (index 0 unused): through the measured passes where they
+    were measured (made non-decreasing, linear between them), elsewhere a fit to them: a continuous two-segment line
+    (weighted least squares over the knee) when the table shows where passes turn from reading weights to computing,
+    else a straight line; every slope at least the base curve's, so noise never makes extra rows look free. The base
+    curve until two row counts have been measured ``min_count`` times.
 
     One straight line through all row counts underrates what a row costs past the knee (measured on 2 cores: passes
     of 1-8 rows cost about the same, each row beyond adds ~2.5 ms; a line through 1-24 rows said ~1.8 ms), and a
-    planner that underrates rows feeds drafts that cost the batch more than they give."""
+    planner that underrates rows feeds drafts that cost the batch more than they give. Neither line sees steps: on
+    AMX tiles rows are multiplied in chunks of 8 whose cost counts blocks, not rows, so 8 sequences' one-row passes
+    took 14.8 ms and a 9th row 21.4 ms, while 9 to 12 rows cost about the same (2-core Sapphire-Rapids-class VM,
+    8 clients in one process). Priced by the fitted line (~1.6 ms a row), ``verified`` beside 7 others added a draft
+    row or two to most passes, paid the whole step for them and made 0.89x NTP's tokens/s."""
     points = [
         (r, t.seconds, min(t.count, 20)) for r, t in enumerate(table) if r and t is not None and t.count >= min_count
     ]
@@ -396,7 +408,43 @@ def pass_time_curve(base: CostCurve, table: Sequence[PassTime | None], *, min_co
     steep = max(b + c, floor)
     b = max(b, floor)
     c = steep - b
-    return [0.0, *(a + b * r + c * max(r - knee, 0) for r in range(1, len(table)))]
+    line = [0.0, *(a + b * r + c * max(r - knee, 0) for r in range(1, len(table)))]
+    return _through_measured(line, _isotonic(points), floor)
+
+
+def _isotonic(points: Sequence[tuple[int, float, int]]) -> list[tuple[int, float]]:
+    """(rows, time) of the weighted least-squares non-decreasing fit to ``points`` (pool adjacent violators): a pass
+    never costs less with more rows, so a dip is noise (or passes of fewer sequences) and is pooled with its
+    neighbours."""
+    blocks: list[list[float]] = []  # [time, weight, first index, last index]
+    ordered = sorted(points)
+    for i, (_, t, w) in enumerate(ordered):
+        blocks.append([t, float(w), i, i])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            t2, w2, _, last = blocks.pop()
+            t1, w1, first, _ = blocks.pop()
+            blocks.append([(t1 * w1 + t2 * w2) / (w1 + w2), w1 + w2, first, last])
+    return [(ordered[i][0], t) for t, _, first, last in blocks for i in range(int(first), int(last) + 1)]
+
+
+def _through_measured(line: list[float], measured: Sequence[tuple[int, float]], floor: float) -> list[float]:
+    """``line`` (index = rows) replaced by ``measured`` (sorted (rows, time), non-decreasing) where it was measured:
+    linear between measured row counts, the line's shape below the first (scaled to meet it) and its slope past the
+    last; every row then adds at least ``floor``."""
+    if not measured:
+        return line
+    out = list(line)
+    (first, t_first), (last, t_last) = measured[0], measured[-1]
+    for r in range(1, min(first, len(out))):
+        out[r] = line[r] * t_first / line[first]
+    for (r0, t0), (r1, t1) in itertools.pairwise(measured):
+        for r in range(r0, min(r1, len(out))):
+            out[r] = t0 + (t1 - t0) * (r - r0) / (r1 - r0)
+    for r in range(last, len(out)):
+        out[r] = t_last + line[r] - line[last]
+    for r in range(2, len(out)):
+        out[r] = max(out[r], out[r - 1] + floor)
+    return out
 
 
 Fit = tuple[float, float, float, int]
@@ -471,8 +519,11 @@ def shared_pass_cost(times: Sequence[float], n: int, *, others: int, other_rows:
     def at(r: int) -> float:  # beyond the table: extend its last slope
         return times[r] if r <= last else times[last] + (times[last] - times[last - 1]) * (r - last)
 
-    one = at(other_rows + 1)
-    return 1.0 + (others + 1) * (at(other_rows + n) - one) / one
+    if n <= 1:
+        return 1.0
+    extra = max(other_rows - others, 0)  # the others' rows beyond one each
+    share = (n - 1) / (extra + n - 1)
+    return 1.0 + (others + 1) * share * (at(other_rows + n) - at(others + 1)) / at(other_rows + 1)
 
 
 class BatchedEngine:

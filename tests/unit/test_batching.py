@@ -463,3 +463,29 @@ def test_verified_takes_greedy_runs_where_no_draft_could_pay(monkeypatch: pytest
         assert runs and max(runs) == 4 and sum(runs) >= 3 * 20  # most of each sequence's passes in runs
     finally:
         batched.close()
+
+
+def test_a_step_in_the_measured_pass_times_is_kept_and_shared() -> None:
+    """AMX tiles multiply rows in chunks of 8: 8 one-row sequences cost a pass 15 ms, a 9th row 21 ms, rows 9-16
+    about the same. The curve keeps the step where it was measured (a fitted line spread it as ~1.6 ms a row), and
+    a sequence's extra rows share with the others' what all extra rows add: one draft row beside 7 plain sequences
+    pays the whole step, one beside 7 that draft too pays an eighth of it."""
+    table: list[PassTime | None] = [None] * 65
+    for rows in range(1, 25):
+        chunks = (rows + 7) // 8
+        table[rows] = PassTime(0.009 + 0.006 * (chunks - 1) + 0.0008 * rows, 10)
+    table[7] = PassTime(0.0170, 10)  # a dip (passes of fewer sequences): pooled, never a cheaper row
+    flat = CostCurve(((1, 1.0), (16, 1.2)))
+    times = pass_time_curve(flat, table)
+    assert all(b >= a for a, b in itertools.pairwise(times[1:]))
+    assert times[9] - times[8] > 5 * (times[12] - times[11])  # the step stays a step
+    alone = shared_pass_cost(times, 2, others=7, other_rows=7)
+    shared = shared_pass_cost(times, 2, others=7, other_rows=14)  # the 7 others each feed a draft row too
+    assert alone == pytest.approx(1 + 8 * (times[9] - times[8]) / times[8])
+    assert shared == pytest.approx(1 + 8 / 8 * (times[16] - times[8]) / times[15])
+    assert alone > 1.8 > shared  # a draft token of p = 0.8 (1.8 tokens) does not pay the step alone, and pays shared
+    line = pass_time_curve(flat, [PassTime(0.01 + 0.001 * r, 10) if r else None for r in range(65)])
+    for other_rows in (7, 10, 14):  # on a line the average is the margin: every sequence pays its own rows
+        assert shared_pass_cost(line, 3, others=7, other_rows=other_rows) == pytest.approx(
+            1 + 8 * (line[other_rows + 3] - line[other_rows + 1]) / line[other_rows + 1]
+        )

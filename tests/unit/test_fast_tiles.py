@@ -563,3 +563,32 @@ def test_record_products_do_not_depend_on_how_the_threads_split_the_tasks(kind: 
         x = torch.randn(rows, 256)
         same_bits_however_the_threads_split(lambda x=x: blocks(x))
         same_bits_however_the_threads_split(lambda x=x, half=rows // 2: blocks(x, coarse=[0, half]))
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_a_short_last_chunk_on_vnni_keeps_the_tiles_bits(kind: str, path: str) -> None:
+    """Where both record paths are on, an exact tile pass's last partial chunk may run on VNNI beside the tiles' full
+    chunks (a 9th row no longer costs a whole tile chunk): every row keeps the bits the tiles give it, products and
+    products added into a residual, with draft-only rows among the exact ones, at every tail length."""
+    with _amx_and_vnni(path):
+        _, blocks = _blocks(kind, 72, 160)
+        x = torch.randn(27, 160, generator=torch.Generator().manual_seed(8))
+        residual = torch.randn(27, 72)
+        for rows in (8, 9, 10, 12, 16, 17, 18, 25, 27):
+            # from 13 rows a draft-only row; where splitting it off does not save a chunk (18, 25, 27 rows) it stays
+            # among the exact ones, in the tail
+            runs = [rows - 1, rows] if rows > 12 else []
+            results = []
+            for tail in (0, 1, 2, 8):
+                with blockq.vnni_tail(tail):
+                    added = residual[:rows].clone()
+                    if kind == "q4_1":
+                        blocks.add_into(added, x[:rows], coarse=runs)
+                    results.append((blocks(x[:rows], coarse=runs), added))
+            for product, added in results[1:]:
+                assert torch.equal(product, results[0][0]), (rows, kind)
+                assert torch.equal(added, results[0][1]), (rows, kind)
+    from agent_mtp.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"0 .* to 8 rows"), blockq.vnni_tail(9):
+        pass

@@ -89,6 +89,11 @@ ones on VNNI where the CPU has it too, :data:`AMX_ROWS_ENV`; :func:`tiles_active
 VNNI_ENV = "AGENT_MTP_VNNI"
 """Set to 0 to keep the AVX kernels on a CPU with AVX-512 VNNI but no AMX (unset or 1: every block pass multiplies the
 tile records with VNNI's byte products, :func:`vnni_active`: the tiles' numbers)."""
+VNNI_TAIL_ROWS = 2
+"""Where AMX and VNNI are both on, an exact tile pass's last chunk of at most this many rows runs on VNNI beside the
+tiles' full chunks of 8 (``g_tail_rows`` in kernels/blockq.cpp; :func:`vnni_tail`). A tile chunk costs about the
+same for 1 or 8 rows, so a 9th row cost a second chunk: 8 sequences x 1 row 28.0 ms a pass, one row more 33.2 ms on
+the tiles alone, 31.1 with it on VNNI; 2 to 4 rows more gained 0-4% (2-core Sapphire-Rapids-class VM, same bits)."""
 AMX_ROWS_ENV = "AGENT_MTP_AMX_ROWS"
 """Where the CPU has both AMX-INT8 and AVX-512 VNNI: ``N`` or ``N,M``: passes of N exact rows or more multiply on the
 AMX tiles and shorter ones with VNNI's byte products; a drafted pass (one exact row, then draft-only rows on the
@@ -369,6 +374,22 @@ def avx_kernels() -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def vnni_tail(rows: int) -> Iterator[int]:
+    """Inside the block, an exact tile pass's last partial chunk of at most ``rows`` rows (0-8; 0: none) is multiplied
+    on VNNI beside the tiles' full chunks of 8, where both paths are on (the same bits; the kernels' default is
+    :data:`VNNI_TAIL_ROWS`), process-wide, for benchmarks and tests. Yields ``rows``."""
+    if not kernels_available():
+        raise ConfigError("The block-weight kernels are not loaded in this process; there is no tile pass to split.")
+    if not 0 <= rows <= 8:
+        raise ConfigError(f"vnni_tail(rows={rows!r}): give 0 (the tiles take every row) to 8 rows.")
+    before = int(torch.ops.agent_mtp_blockq.tail_rows(rows))
+    try:
+        yield rows
+    finally:
+        torch.ops.agent_mtp_blockq.tail_rows(before)
+
+
 def amx(enable: bool) -> contextlib.AbstractContextManager[bool]:
     """Multiply on AMX tiles (where the weights have a tile layout and the CPU has AMX-INT8) or with the AVX kernels
     inside the block, process-wide, for benchmarks and tests that compare them. Yields whether tiles are in use."""
@@ -386,6 +407,7 @@ def kernels_available() -> bool:
             torch.ops.agent_mtp_blockq.avx512_forms(int(Wide.ALL if pinned is None else pinned))
             torch.ops.agent_mtp_blockq.amx_tiles(int(_switched_on(AMX_ENV)))
             torch.ops.agent_mtp_blockq.vnni_records(int(_switched_on(VNNI_ENV)))
+            torch.ops.agent_mtp_blockq.tail_rows(VNNI_TAIL_ROWS)
             _tile_rows_chosen[0] = pinned_tile_rows() or TILES_EVERY_PASS
             _apply_tile_rows()
             return True

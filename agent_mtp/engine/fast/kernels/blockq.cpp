@@ -924,15 +924,16 @@ inline void coarse_rows_of(int chunk, const Grid& g, int64_t rows, int64_t r0, i
 // calling thread's tiles are configured for (0: nothing yet; 1-8: an exact chunk of that many rows; above
 // kCoarseConfig: a coarse chunk). Where the grid is ordered, its exact rows take the exact chunks and its 8-bit rows
 // the coarse ones, each writing the pass's own rows of y.
+// ``exact_end``: the exact rows [exact_end, g.exact) are left to the caller (vnni::tail_product), else g.exact.
 template <bool kQ4>
 void records_product(const Grid& g, int64_t rows, int64_t blocks, const uint8_t* rec, int64_t stride, float* y,
-                     int64_t ldy, bool add, int64_t features, int& configured) {
+                     int64_t ldy, bool add, int64_t features, int& configured, int64_t exact_end) {
   const bool pair = features > kFeatures;
   const int64_t last = pair ? features - kFeatures : features;
   const __mmask16 keep = static_cast<__mmask16>((1u << last) - 1u);
   const int64_t* order = g.order.empty() ? nullptr : g.order.data();
-  for (int64_t r0 = 0; r0 < g.exact; r0 += kChunk) {
-    const int chunk = static_cast<int>(std::min<int64_t>(kChunk, g.exact - r0));
+  for (int64_t r0 = 0; r0 < exact_end; r0 += kChunk) {
+    const int chunk = static_cast<int>(std::min<int64_t>(kChunk, exact_end - r0));
     if (chunk != configured) configure(configured = chunk);
     float* yc = order != nullptr ? y : y + r0 * ldy;  // with an order, rows are placed through it
     const int64_t* out = order != nullptr ? order + r0 : nullptr;
@@ -1097,6 +1098,29 @@ void records_product(const tiles::Grid& g, int64_t rows, int64_t blocks, const u
   }
 }
 
+// The rows [r_begin, rows) (at most kChunk; the grid in the pass's order) against one or two record streams, as
+// records_product: an exact pass's last partial chunk beside the tiles' full ones (tail_rows).
+template <bool kQ4>
+void tail_product(const tiles::Grid& g, int64_t rows, int64_t r_begin, int64_t blocks, const uint8_t* rec,
+                  int64_t stride, float* y, int64_t ldy, bool add, int64_t features) {
+  for (int64_t s = 0; s * tiles::kFeatures < features; ++s) {
+    const int64_t last = std::min<int64_t>(tiles::kFeatures, features - s * tiles::kFeatures);
+    const __mmask16 keep = static_cast<__mmask16>((1u << last) - 1u);
+    const uint8_t* stream = rec + s * stride;
+    float* ys = y + s * tiles::kFeatures + r_begin * ldy;
+    switch (rows - r_begin) {
+      case 1: stream_product<kQ4, 1>(g, rows, r_begin, blocks, stream, ys, ldy, add, keep); break;
+      case 2: stream_product<kQ4, 2>(g, rows, r_begin, blocks, stream, ys, ldy, add, keep); break;
+      case 3: stream_product<kQ4, 3>(g, rows, r_begin, blocks, stream, ys, ldy, add, keep); break;
+      case 4: stream_product<kQ4, 4>(g, rows, r_begin, blocks, stream, ys, ldy, add, keep); break;
+      case 5: stream_product<kQ4, 5>(g, rows, r_begin, blocks, stream, ys, ldy, add, keep); break;
+      case 6: stream_product<kQ4, 6>(g, rows, r_begin, blocks, stream, ys, ldy, add, keep); break;
+      case 7: stream_product<kQ4, 7>(g, rows, r_begin, blocks, stream, ys, ldy, add, keep); break;
+      default: stream_product<kQ4, 8>(g, rows, r_begin, blocks, stream, ys, ldy, add, keep); break;
+    }
+  }
+}
+
 }  // namespace vnni
 #pragma GCC pop_options
 
@@ -1163,6 +1187,31 @@ std::vector<int64_t> tiles_from(int64_t weight, int64_t light_weight) {
   if (weight >= 0) g_tiles_from = weight;
   if (light_weight >= 0) g_light_weight = light_weight;
   return {g_tiles_from.load(), g_light_weight.load()};
+}
+
+// Where the tiles serve a pass and VNNI is on: an exact pass's last partial chunk of at most this many rows is
+// multiplied on VNNI beside the tiles' full chunks of 8 (the same bits). A tile chunk's cost counts blocks, not rows
+// (~8 tile loads, products and stores a block, each ~3-5 ns), so a 9th row cost a whole second chunk: on a 2-core
+// Sapphire-Rapids-class VM 8 sequences x 1 row took 20.0 ms a pass and one more row 25.3 ms, while VNNI's cost grows
+// with its rows (see set_tail_rows' caller). 0: the tiles take every row.
+std::atomic<int64_t> g_tail_rows{2};
+
+// Set (request >= 0, at most 8) or read (-1) g_tail_rows.
+int64_t tail_rows(int64_t request) {
+  TORCH_CHECK(request >= -1 && request <= 8, "tail_rows takes -1 (leave as is) or 0-8 rows, got ", request);
+  if (request >= 0) g_tail_rows = request;
+  return g_tail_rows.load();
+}
+
+// The exact rows the tiles multiply in a tile pass over ``g`` (the rest, a short last chunk, on VNNI): all of them
+// where VNNI is off, the grid is reordered (draft rows in coarse chunks after the exact ones) or there is no full
+// chunk before the tail.
+inline int64_t tile_rows_of(const tiles::Grid& g) {
+  const int64_t tail = g.exact % tiles::kChunk;
+  if (tail == 0 || g.exact < tiles::kChunk || !g.order.empty() || tail > g_tail_rows.load(std::memory_order_relaxed) ||
+      !g_vnni.load(std::memory_order_relaxed))
+    return g.exact;
+  return g.exact - tail;
 }
 
 enum class Records { kNone = 0, kVnni = 1, kTiles = 2 };
@@ -1319,6 +1368,7 @@ void grouped_product(const float* x, int64_t rows, const BlockView& w, int64_t b
     const int64_t records = (out_features + tiles::kFeatures - 1) / tiles::kFeatures;
     const int64_t record = q4 ? tiles::kQ41Record : tiles::kQ80Record;
     const tiles::Grid& grid = tiles::on_grid(xp, rows, k, coarse, on_tiles, grid_bits);
+    const int64_t tile_end = on_tiles ? tile_rows_of(grid) : 0;
     const uint8_t* tp = w.tiles;
     const int64_t pairs = (records + 1) / 2;  // a task multiplies two record streams (32 features)
     const int64_t dense_tasks = (extra + kGroup - 1) / kGroup, early = dense_tasks / 2;
@@ -1337,9 +1387,13 @@ void grouped_product(const float* x, int64_t rows, const BlockView& w, int64_t b
         const uint8_t* streams = tp + 2 * task * blocks * record;
         if (on_vnni)
           vnni::records_product<q4>(grid, rows, blocks, streams, blocks * record, op + f0, ldo, add, features);
-        else
+        else {
           tiles::records_product<q4>(grid, rows, blocks, streams, blocks * record, op + f0, ldo, add, features,
-                                     configured);
+                                     configured, tile_end);
+          if (tile_end < grid.exact)
+            vnni::tail_product<q4>(grid, rows, tile_end, blocks, streams, blocks * record, op + f0, ldo, add,
+                                   features);
+        }
       }
     }, [](int configured) {
       if (configured != 0) tiles::release();
@@ -2412,6 +2466,9 @@ TORCH_LIBRARY(agent_mtp_blockq, m) {
   // row's weight, in 1/1024 of an exact row (>= 0 sets, -1 reads); which path a pass of rows (light: 8-bit) takes
   m.def("tiles_from(int weight=-1, int light_weight=-1) -> int[]", &tiles_from);
   m.def("records_path(int rows, int light=0) -> int", &records_path_of);
+  // where the tiles serve a pass and VNNI is on: the most rows of an exact pass's last partial chunk that VNNI
+  // multiplies beside the tiles' full chunks (0-8 sets, -1 reads; 0: the tiles take every row)
+  m.def("tail_rows(int rows=-1) -> int", &tail_rows);
   // target[r] += low[r] b_t at the rows of runs (flattened [start, stop) pairs): an adapter's delta at the mask rows
   // (draft: b_t in bfloat16 for the rows of coarse_runs, mask rows that are only drafts; spans: low_rank_spans(b_t),
   // the rank rows not all zero per 64 outputs); low_rank_spans: those spans, [ceil(out / 64), 2] int32
