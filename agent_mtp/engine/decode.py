@@ -235,10 +235,13 @@ def _one_pass(
     logits = runner.forward(feed, keep)  # [keep, V]: row 0 = last pending token
     top = getattr(runner, "greedy", None) if cfg.temperature <= 0 else None  # the runner's argmax per row, if any
     # The mask token is never a prediction. The runner's argmax already leaves it out; the logits need it at -inf
-    # only where something reads them: sampling, mask rows' confidences, a constraint's fallback. Writing it costs
-    # ~25 us on rows written by the compute thread's core (measured, 8 clients), a step of every sequence between
-    # two batched passes.
-    if setup.mask_token_id < logits.shape[-1] and (top is None or masks or constraint is not None):
+    # only where something reads them: sampling, mask rows' confidences, the fallback of a constraint that could
+    # allow it (a grammar never does: the mask is a special token). Writing it costs ~25 us on rows written by the
+    # compute thread's core (measured, 8 clients), a step of every sequence between two batched passes, and gives
+    # the GIL up to the other sequences' steps once more.
+    if setup.mask_token_id < logits.shape[-1] and (
+        top is None or masks or (constraint is not None and not _never_allows(constraint, setup.mask_token_id))
+    ):
         logits[:, setup.mask_token_id] = float("-inf")
     stats.forward_passes += 1
     stats.k_used[masks + 1] = stats.k_used.get(masks + 1, 0) + 1
@@ -325,6 +328,12 @@ def _argmax(logits: torch.Tensor) -> list[int]:
     if logits.device.type == "cpu" and logits.dtype == torch.float32:
         return [int(i) for i in logits.detach().numpy().argmax(-1)]
     return [int(i) for i in logits.argmax(-1).tolist()]
+
+
+def _never_allows(constraint: TokenConstraint, token_id: int) -> bool:
+    """Whether ``constraint`` rules ``token_id`` out in every state (optional: ``GrammarConstraint.never_allows``)."""
+    never = getattr(constraint, "never_allows", None)
+    return bool(never(token_id)) if never is not None else False
 
 
 def _greedy(logits: torch.Tensor, row: int, top: Sequence[int] | None, constraint: TokenConstraint | None) -> int:

@@ -276,6 +276,11 @@ class GrammarConstraint:
             mask = self._grammar_mask()
         return _fit(mask, vocab_size)
 
+    def never_allows(self, token_id: int) -> bool:
+        """Whether ``token_id`` is never allowed, in any state (special tokens other than the stop tokens, rows the
+        tokenizer does not know): its logit need not be masked out for this constraint's sake."""
+        return token_id in self.vocab.banned_ids or not 0 <= token_id < self.vocab.vocab_size
+
     def allows(self, token_id: int) -> bool:
         """Whether ``token_id`` is allowed next: ``allowed_mask(...)[token_id]`` without building the mask (a bit
         of xgrammar's bitmask; the decode loop asks this of the greedy token, on every constrained pass)."""

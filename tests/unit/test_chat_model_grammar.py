@@ -369,3 +369,13 @@ def test_forced_strings_are_tokenized_once_per_vocabulary(engine, monkeypatch):
     assert (second.forced_tokens(), second.forced_draft()) == (plan, draft)
     assert len(calls) == 1
     assert list(vocab.encode(calls[0])) == real(calls[0], add_special_tokens=False)
+
+
+def test_a_grammar_never_allows_the_mask_token(engine):
+    """The decode loop leaves the mask token's logit alone on constrained greedy passes where the grammar rules it out
+    in every state (a special token): the grammar's fallback argmax never sees it."""
+    constraint = forced_grammar(engine).constraint()
+    assert constraint.never_allows(engine.mask_token_id)
+    assert not constraint.allowed_mask(engine.mask_token_id + 1)[engine.mask_token_id]
+    plan = constraint.forced_tokens()
+    assert plan and not constraint.never_allows(plan[0])
