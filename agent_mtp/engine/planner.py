@@ -25,7 +25,6 @@
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -154,7 +153,10 @@ class Planner:
         ``p_max`` (the largest acceptance probability any draft token or mask could have): an option of n rows
         then expects at most n * p_max more tokens for more than n * p_max more cost. Skips the sources' lookups
         and the search, which a sequence beside 7 others ran on every pass (~90 us of Python there, after a pass
-        that left the caches cold) for passes where they never paid. ``room``: tokens left minus one."""
+        that left the caches cold) for passes where they never paid, and lets it take greedy runs. Rows are priced
+        at the cheapest average of an option's rows, not at the cheapest single step, which after a step (the row
+        that opens a tile chunk beside 7 other sequences) is nearly free though no option reaches it without
+        paying the step. ``room``: tokens left minus one."""
         if not self.cost_aware or self.curve is None or room <= 0:
             return None
         # an exploring pass: a plan of its own where it can afford masks; where rows are too dear for even one
@@ -163,16 +165,20 @@ class Planner:
         exploring = self.explore_every and (self._passes + 1) % self.explore_every == 0
         if exploring and self._explore_masks(pending, 0, room, self.curve.cost) > 0:
             return None
-        # every option's rows: a draft (at most AUTO_K_CAP - 1 mask tokens, or a 10-token n-gram) plus masks
+        # every option's rows: a draft (at most AUTO_K_CAP - 1 mask tokens, or a 10-token n-gram) plus masks; an
+        # option of L draft tokens and m masks costs at least real[L] + added[m] (the planner's floor), so it adds
+        # at least (L + m) times the smaller of the two kinds' cheapest average row: where rows cost in steps (AMX
+        # tile chunks of 8; a shared pass's first extra row opens one), that is the step shared by the rows it
+        # opens for, not the cheap row after it
         rows = min(room, 2 * AUTO_K_CAP) + 1
         if self.curve.prices_masks_apart:
             real = _marginal(self.curve.real_costs(pending, rows))
             added = self.curve.mask_costs(min(rows, AUTO_K_CAP))
-            steps = [b - a for costs in (real, added) for a, b in itertools.pairwise(costs)]
+            cheapest = [(c[n] - c[0]) / n for c in (real, added) for n in range(1, len(c))]
         else:  # rows alike: the cheapest row is a mask (draft-only masks cost the curve's share of a row)
             costs = _marginal(self.curve.costs(pending, rows))
-            steps = [(b - a) * self._mask_share for a, b in itertools.pairwise(costs)]
-        if not steps or p_max >= min(steps) * (1.0 - 1e-6):  # what every row adds at least (rounding of equal steps)
+            cheapest = [(costs[n] - costs[0]) * self._mask_share / n for n in range(1, len(costs))]
+        if not cheapest or p_max >= min(cheapest) * (1.0 - 1e-6):  # (rounding of equal steps)
             return None
         self._passes += 1
         return Plan(None, 0)

@@ -418,13 +418,16 @@ def test_a_hopeless_pass_is_one_no_draft_could_win() -> None:
     import random
 
     rng = random.Random(11)
-    fired = 0
-    for _ in range(400):
+    fired = stepped = 0
+    for trial in range(600):
         points, cost, slope = [(1, 1.0)], 1.0, rng.uniform(0.0, 1.2)
         for n in (2, 4, 8, 16, 32):
             slope = slope * rng.uniform(0.9, 1.3)  # mostly growing: convex, as shared passes are
             cost += slope * (n - points[-1][0])
             points.append((n, cost))
+        if trial % 3 == 0:  # a step, then cheap rows: the first extra row opens a tile chunk beside 7 sequences
+            step, slope = rng.uniform(0.5, 6.0), rng.uniform(0.0, 0.1)
+            points = [(1, 1.0), *((n, 1.0 + step + slope * (n - 2)) for n in (2, 4, 8, 16, 32))]
         k_cap = rng.choice([2, 4, 8])
         planner = verify_planner(CostCurve(tuple(points)), k_cap, [rng.random() for _ in range(k_cap - 1)])
         planner.rates.ngram, planner.rates.ngram_short = rng.random(), rng.random()
@@ -434,6 +437,7 @@ def test_a_hopeless_pass_is_one_no_draft_could_win() -> None:
         if planner.plain_if_hopeless(pending, mtp_p_max, room) is None:
             continue
         fired += 1
+        stepped += trial % 3 == 0 and pending == 1 and room >= 2 and mtp_p_max > points[2][1] - points[1][1]
         for _ in range(5):
             length = rng.randint(1, 10)
             tokens = tuple(rng.randrange(100) for _ in range(length))
@@ -442,7 +446,8 @@ def test_a_hopeless_pass_is_one_no_draft_could_win() -> None:
                 Draft(tokens, "mtp", 1.0, tuple(rng.random() for _ in range(length))),
             ]
             assert _brute_force_plan(planner, pending, drafts, room) == (0, ())
-    assert fired > 40
+    assert fired > 60
+    assert stepped > 5  # hopeless though a row after the step is cheaper than p_max: no option reaches it for free
 
 
 def test_the_decode_loops_argmax_is_torchs() -> None:
