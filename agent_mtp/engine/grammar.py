@@ -129,9 +129,9 @@ class _Vocab:
 
     def encode(self, text: str) -> tuple[int, ...]:
         """``text`` as token ids (no special tokens), remembered for the last :data:`_ENCODED_SIZE` texts. A grammar's
-        forced strings recur (a schema's keys, a tool call's opening), and the tokenizer's ``encode`` costs a
-        sequence ~0.1-0.3 ms of Python a call: under 8 clients in one process it was a third of ``verified``'s
-        Python between passes (py-spy), time every other sequence's next pass waits for."""
+        forced strings recur (a schema's keys, a tool call's opening), and the tokenizer's ``encode`` runs in
+        Python twice a constrained pass (the plan and the forced draft): under 8 clients in one process it was a
+        third of ``verified``'s Python between passes (py-spy), time every other sequence's next pass waits for."""
         with self._lock:
             ids = self._encoded.get(text)
             if ids is not None:

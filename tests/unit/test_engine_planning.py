@@ -413,8 +413,8 @@ def test_a_long_pass_prices_its_extra_rows_at_what_they_add() -> None:
 
 def test_a_hopeless_pass_is_one_no_draft_could_win() -> None:
     """Where the planner declares a pass hopeless before the sources are asked (every acceptance probability below
-    what one more row adds, rows no cheaper further on), scoring every option of any draft the sources could
-    propose picks the plain pass; and the check does fire where rows are dear."""
+    the cheapest average row of any option), scoring every option of any draft the sources could propose picks the
+    plain pass; and the check does fire where rows are dear, after a step too (the row after it cheap)."""
     import random
 
     rng = random.Random(11)

@@ -93,7 +93,8 @@ VNNI_TAIL_ROWS = 2
 """Where AMX and VNNI are both on, an exact tile pass's last chunk of at most this many rows runs on VNNI beside the
 tiles' full chunks of 8 (``g_tail_rows`` in kernels/blockq.cpp; :func:`vnni_tail`). A tile chunk costs about the
 same for 1 or 8 rows, so a 9th row cost a second chunk: 8 sequences x 1 row 28.0 ms a pass, one row more 33.2 ms on
-the tiles alone, 31.1 with it on VNNI; 2 to 4 rows more gained 0-4% (2-core Sapphire-Rapids-class VM, same bits)."""
+the tiles alone, 31.1 with it on VNNI; 2 rows more 32.8 -> 31.7, 3 or 4 rows more nothing (2-core
+Sapphire-Rapids-class VM, same bits)."""
 AMX_ROWS_ENV = "AGENT_MTP_AMX_ROWS"
 """Where the CPU has both AMX-INT8 and AVX-512 VNNI: ``N`` or ``N,M``: passes of N exact rows or more multiply on the
 AMX tiles and shorter ones with VNNI's byte products; a drafted pass (one exact row, then draft-only rows on the

@@ -1193,7 +1193,8 @@ std::vector<int64_t> tiles_from(int64_t weight, int64_t light_weight) {
 // multiplied on VNNI beside the tiles' full chunks of 8 (the same bits). A tile chunk's cost counts blocks, not rows
 // (~8 tile loads, products and stores a block, each ~3-5 ns), so a 9th row cost a whole second chunk: on a 2-core
 // Sapphire-Rapids-class VM 8 sequences x 1 row took 20.0 ms a pass and one more row 25.3 ms, while VNNI's cost grows
-// with its rows (see set_tail_rows' caller). 0: the tiles take every row.
+// with its rows (a VNNI row ~27% of an 8-row tile chunk, perf). 0: the tiles take every row; the Python side sets
+// blockq.VNNI_TAIL_ROWS at load.
 std::atomic<int64_t> g_tail_rows{2};
 
 // Set (request >= 0, at most 8) or read (-1) g_tail_rows.
