@@ -924,7 +924,7 @@ inline void coarse_rows_of(int chunk, const Grid& g, int64_t rows, int64_t r0, i
 // calling thread's tiles are configured for (0: nothing yet; 1-8: an exact chunk of that many rows; above
 // kCoarseConfig: a coarse chunk). Where the grid is ordered, its exact rows take the exact chunks and its 8-bit rows
 // the coarse ones, each writing the pass's own rows of y.
-// ``exact_end``: the exact rows [exact_end, g.exact) are left to the caller (vnni::tail_product), else g.exact.
+// ``exact_end``: the exact rows [exact_end, g.exact) are left to the caller (VNNI, tile_rows_of), else g.exact.
 template <bool kQ4>
 void records_product(const Grid& g, int64_t rows, int64_t blocks, const uint8_t* rec, int64_t stride, float* y,
                      int64_t ldy, bool add, int64_t features, int& configured, int64_t exact_end) {
@@ -1073,17 +1073,18 @@ inline void stream_product(const tiles::Grid& g, int64_t rows, int64_t r0, int64
   }
 }
 
-// Outputs f0..f0 + features (1-32: one record stream, or two side by side) for every row, as
-// tiles::records_product.
+// Outputs f0..f0 + features (1-32: one record stream, or two side by side) for the rows [first_row, rows), as
+// tiles::records_product (first_row > 0: an exact tile pass's short last chunk beside the tiles' full ones,
+// tile_rows_of; the grid in the pass's order).
 template <bool kQ4>
 void records_product(const tiles::Grid& g, int64_t rows, int64_t blocks, const uint8_t* rec, int64_t stride,
-                     float* y, int64_t ldy, bool add, int64_t features) {
+                     float* y, int64_t ldy, bool add, int64_t features, int64_t first_row = 0) {
   for (int64_t s = 0; s * tiles::kFeatures < features; ++s) {
     const int64_t last = std::min<int64_t>(tiles::kFeatures, features - s * tiles::kFeatures);
     const __mmask16 keep = static_cast<__mmask16>((1u << last) - 1u);
     const uint8_t* stream = rec + s * stride;
     float* ys = y + s * tiles::kFeatures;
-    for (int64_t r0 = 0; r0 < rows; r0 += kChunk) {
+    for (int64_t r0 = first_row; r0 < rows; r0 += kChunk) {
       switch (std::min<int64_t>(kChunk, rows - r0)) {
         case 8: stream_product<kQ4, 8>(g, rows, r0, blocks, stream, ys + r0 * ldy, ldy, add, keep); break;
         case 7: stream_product<kQ4, 7>(g, rows, r0, blocks, stream, ys + r0 * ldy, ldy, add, keep); break;
@@ -1094,29 +1095,6 @@ void records_product(const tiles::Grid& g, int64_t rows, int64_t blocks, const u
         case 2: stream_product<kQ4, 2>(g, rows, r0, blocks, stream, ys + r0 * ldy, ldy, add, keep); break;
         default: stream_product<kQ4, 1>(g, rows, r0, blocks, stream, ys + r0 * ldy, ldy, add, keep); break;
       }
-    }
-  }
-}
-
-// The rows [r_begin, rows) (at most kChunk; the grid in the pass's order) against one or two record streams, as
-// records_product: an exact pass's last partial chunk beside the tiles' full ones (tail_rows).
-template <bool kQ4>
-void tail_product(const tiles::Grid& g, int64_t rows, int64_t r_begin, int64_t blocks, const uint8_t* rec,
-                  int64_t stride, float* y, int64_t ldy, bool add, int64_t features) {
-  for (int64_t s = 0; s * tiles::kFeatures < features; ++s) {
-    const int64_t last = std::min<int64_t>(tiles::kFeatures, features - s * tiles::kFeatures);
-    const __mmask16 keep = static_cast<__mmask16>((1u << last) - 1u);
-    const uint8_t* stream = rec + s * stride;
-    float* ys = y + s * tiles::kFeatures + r_begin * ldy;
-    switch (rows - r_begin) {
-      case 1: stream_product<kQ4, 1>(g, rows, r_begin, blocks, stream, ys, ldy, add, keep); break;
-      case 2: stream_product<kQ4, 2>(g, rows, r_begin, blocks, stream, ys, ldy, add, keep); break;
-      case 3: stream_product<kQ4, 3>(g, rows, r_begin, blocks, stream, ys, ldy, add, keep); break;
-      case 4: stream_product<kQ4, 4>(g, rows, r_begin, blocks, stream, ys, ldy, add, keep); break;
-      case 5: stream_product<kQ4, 5>(g, rows, r_begin, blocks, stream, ys, ldy, add, keep); break;
-      case 6: stream_product<kQ4, 6>(g, rows, r_begin, blocks, stream, ys, ldy, add, keep); break;
-      case 7: stream_product<kQ4, 7>(g, rows, r_begin, blocks, stream, ys, ldy, add, keep); break;
-      default: stream_product<kQ4, 8>(g, rows, r_begin, blocks, stream, ys, ldy, add, keep); break;
     }
   }
 }
@@ -1392,8 +1370,8 @@ void grouped_product(const float* x, int64_t rows, const BlockView& w, int64_t b
           tiles::records_product<q4>(grid, rows, blocks, streams, blocks * record, op + f0, ldo, add, features,
                                      configured, tile_end);
           if (tile_end < grid.exact)
-            vnni::tail_product<q4>(grid, rows, tile_end, blocks, streams, blocks * record, op + f0, ldo, add,
-                                   features);
+            vnni::records_product<q4>(grid, rows, blocks, streams, blocks * record, op + f0, ldo, add, features,
+                                      tile_end);
         }
       }
     }, [](int configured) {
