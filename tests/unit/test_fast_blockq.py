@@ -464,14 +464,14 @@ def test_avx512_passes_give_the_avx2_logits(monkeypatch: pytest.MonkeyPatch, ada
 
 def test_kernel_tag_names_the_avx512_forms() -> None:
     with blockq.avx512(True) as on:
-        assert blockq.kernel_tag() == ("blockq8-avx512" if on else "blockq8")
+        assert blockq.kernel_tag() == ("blockq9-avx512" if on else "blockq9")
     if on:
         with blockq.avx512(blockq.Wide.ROWS):
-            assert blockq.kernel_tag() == "blockq8-avx512rows" and blockq.avx512_forms() == blockq.Wide.ROWS
+            assert blockq.kernel_tag() == "blockq9-avx512rows" and blockq.avx512_forms() == blockq.Wide.ROWS
         with blockq.avx512(blockq.Wide.LANES):
-            assert blockq.kernel_tag() == "blockq8-avx512lanes" and blockq.avx512_active()
+            assert blockq.kernel_tag() == "blockq9-avx512lanes" and blockq.avx512_active()
     with blockq.avx512(False):
-        assert blockq.kernel_tag() == "blockq8" and not blockq.avx512_active()
+        assert blockq.kernel_tag() == "blockq9" and not blockq.avx512_active()
 
 
 @pytest.mark.parametrize(("value", "forms"), [("0", "0"), ("rows", "1"), ("LANES", "2")])
@@ -825,7 +825,7 @@ def test_kernel_form_is_settled_once_per_process_unless_pinned(monkeypatch: pyte
         assert blockq.settle_avx512(measure(blockq.Wide.ROWS)) == blockq.Wide.ROWS
         assert blockq.avx512_forms() == blockq.Wide.ROWS
         assert blockq.settle_avx512(measure(blockq.Wide.NONE)) == blockq.Wide.ROWS and calls == [1]  # measured once
-        assert blockq.kernel_tag() == "blockq8-avx512rows"
+        assert blockq.kernel_tag() == "blockq9-avx512rows"
         monkeypatch.setattr(blockq, "_settled", [])
         monkeypatch.setenv(blockq.AVX512_ENV, "1")
         with blockq.avx512(True):

@@ -427,9 +427,10 @@ def kernel_tag() -> str:
         return "blockq8-amx" if rows == TILES_EVERY_PASS else f"blockq8-vnni3-amx{rows.exact}-{rows.drafted}"
     # 8: draft-only masks on the 8-bit grid (7: Q8_0 lanes from 2 rows, row kernels prefetch); vnni2: the VNNI
     # streams scale each row's sums in registers and read Q4_1's a0 bytes inside the products (faster passes); vnni3:
-    # their rows unrolled, each sum in two registers
+    # their rows unrolled, each sum in two registers; 9: the AVX2 lane kernels rebuild a position's weights one
+    # position ahead (cheaper passes of 5+ rows)
     forms = avx512_forms()
-    tag = {Wide.NONE: "blockq8", Wide.ALL: "blockq8-avx512"}.get(forms, f"blockq8-avx512{(forms.name or '').lower()}")
+    tag = {Wide.NONE: "blockq9", Wide.ALL: "blockq9-avx512"}.get(forms, f"blockq9-avx512{(forms.name or '').lower()}")
     return f"{tag}-vnni3" if vnni_active() else tag
 
 
