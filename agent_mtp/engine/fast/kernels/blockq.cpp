@@ -247,7 +247,7 @@ inline void lanes_kernel(const float* x, int64_t k, const uint8_t* lanes, const 
     for (int i = 0; i < kBlock; ++i) {
       // the next position's weights first: their rebuild (a load, a shift, a conversion, a multiply-add) is a chain
       // of ~15 cycles that this position's multiply-adds hide (Zen 3, one thread, the gate/up and down products at
-      // 8-16 rows: 30.4-31.9 -> 33.0-34.0 GMAC/s, the same numbers)
+      // 8-16 rows: 31.5-31.9 -> 34.0-34.3 GMAC/s, the same numbers)
       const __m256 next = i + 1 < kBlock ? L::weights(lb + (i + 1) * L::kBytes, vd, vm) : w;
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(xb + r * k + i), w, acc[r]);
