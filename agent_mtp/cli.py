@@ -96,7 +96,10 @@ DEMO_PROMPTS = (
     ("tool call (JSON)", "tool-weather"),
     ("reasoning step", "reason-math"),
     ("formatted list", "format-list"),
+    ("summary of a tool result", "summary-agent"),
 )
+"""The demo's agent steps: where MTP helps little (a tool call whose prefill is most of its time, a reasoning step
+the adapter rarely predicts) and where it helps most (restating a tool's output, which drafts copy from the prompt)."""
 
 
 @app.command()

@@ -341,6 +341,8 @@ def test_cli_demo_runs_every_mode_side_by_side(tiny_model_dir: Path, tmp_path: P
     assert result.exit_code == 0, result.output
     for label in ("HF generate", "verified", "confadapt", "fast runtime", "vs ntp", "median of 2 interleaved"):
         assert label in " ".join(result.output.split())
+    for step in ("tool call", "reasoning step", "formatted list", "summary of a tool"):  # every step's rows
+        assert step in " ".join(result.output.split())
     refused = CliRunner().invoke(app, [*args, "--rounds", "0"])
     assert refused.exit_code == 2 and "--rounds" in refused.output
 

@@ -194,7 +194,7 @@ def test_shipped_suites_load_and_every_item_says_how_it_is_scored():
 
 def test_demo_prompt_ids_are_still_in_the_quick_suite():
     ids = {p.id for p in load_suite("quick")}
-    assert {"tool-weather", "reason-math", "format-list"} <= ids  # used by `agent-mtp demo`
+    assert {"tool-weather", "reason-math", "format-list", "summary-agent"} <= ids  # used by `agent-mtp demo`
 
 
 def test_prompt_messages_render_the_tool_block_and_schema_into_the_system_message():
