@@ -98,8 +98,9 @@ DEMO_PROMPTS = (
     ("formatted list", "format-list"),
     ("summary of a tool result", "summary-agent"),
 )
-"""The demo's agent steps: where MTP helps little (a tool call whose prefill is most of its time, a reasoning step
-the adapter rarely predicts) and where it helps most (restating a tool's output, which drafts copy from the prompt)."""
+"""The demo's agent steps: where drafting helps little (a tool call whose prefill is most of its time, a reasoning step
+whose text drafts rarely predict) and where it helps most (restating a tool's output, which drafts copy from the
+prompt)."""
 
 
 @app.command()
