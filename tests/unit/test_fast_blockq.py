@@ -174,12 +174,13 @@ def test_weights_that_are_not_blocks_stay_float32() -> None:
     assert blockq.block_weights(torch.randn(16, 48)) is None  # in_features not a multiple of 32
 
 
+@pytest.mark.parametrize("out", [24, 72])  # 3 and 9 groups of 8 features: short lane tiles take 2-4 groups at once
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
-def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kind: str) -> None:
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kind: str, out: int) -> None:
     """Within each kernel class (row kernels below LANE_ROWS rows of their kind, lane kernels from there) a row's
-    numbers are the same whatever the pass size and position; between the classes only the summation order
-    differs."""
-    blocks = blockq.block_weights((q4_1 if kind == "q4_1" else q8_0)(torch.randn(24, 128)))
+    numbers are the same whatever the pass size and position (a lane tile of 2-5 rows multiplies several groups at
+    once, a longer one one group: the same bits); between the classes only the summation order differs."""
+    blocks = blockq.block_weights((q4_1 if kind == "q4_1" else q8_0)(torch.randn(out, 128)))
     assert blocks is not None and blocks.kind == kind and blocks.lanes is not None
     lane = blockq.LANE_ROWS[kind]
     x = torch.randn(19, 128)
@@ -464,14 +465,14 @@ def test_avx512_passes_give_the_avx2_logits(monkeypatch: pytest.MonkeyPatch, ada
 
 def test_kernel_tag_names_the_avx512_forms() -> None:
     with blockq.avx512(True) as on:
-        assert blockq.kernel_tag() == ("blockq9-avx512" if on else "blockq9")
+        assert blockq.kernel_tag() == ("blockq10-avx512" if on else "blockq10")
     if on:
         with blockq.avx512(blockq.Wide.ROWS):
-            assert blockq.kernel_tag() == "blockq9-avx512rows" and blockq.avx512_forms() == blockq.Wide.ROWS
+            assert blockq.kernel_tag() == "blockq10-avx512rows" and blockq.avx512_forms() == blockq.Wide.ROWS
         with blockq.avx512(blockq.Wide.LANES):
-            assert blockq.kernel_tag() == "blockq9-avx512lanes" and blockq.avx512_active()
+            assert blockq.kernel_tag() == "blockq10-avx512lanes" and blockq.avx512_active()
     with blockq.avx512(False):
-        assert blockq.kernel_tag() == "blockq9" and not blockq.avx512_active()
+        assert blockq.kernel_tag() == "blockq10" and not blockq.avx512_active()
 
 
 @pytest.mark.parametrize(("value", "forms"), [("0", "0"), ("rows", "1"), ("LANES", "2")])
@@ -825,7 +826,7 @@ def test_kernel_form_is_settled_once_per_process_unless_pinned(monkeypatch: pyte
         assert blockq.settle_avx512(measure(blockq.Wide.ROWS)) == blockq.Wide.ROWS
         assert blockq.avx512_forms() == blockq.Wide.ROWS
         assert blockq.settle_avx512(measure(blockq.Wide.NONE)) == blockq.Wide.ROWS and calls == [1]  # measured once
-        assert blockq.kernel_tag() == "blockq9-avx512rows"
+        assert blockq.kernel_tag() == "blockq10-avx512rows"
         monkeypatch.setattr(blockq, "_settled", [])
         monkeypatch.setenv(blockq.AVX512_ENV, "1")
         with blockq.avx512(True):

@@ -282,13 +282,83 @@ inline void for_each_lane_tile(int64_t rows, Tile&& tile) {
   }
 }
 
-// Rows [0, rows) of one group.
+// Short tiles (2-5 rows) have too few accumulators to hide the multiply-add latency (~4 cycles on Zen 3: a 2-row tile
+// of one group made one multiply-add per chain every 4 cycles, and Q8_0's output head took as long at 2, 3 and 4 rows),
+// so they take several groups at once: each output is still one chain over k in order with the same operations (the
+// same bits as one group at a time, whatever the tile), R x G chains in flight instead of R.
+template <class L, int R, int G>
+inline void lanes_kernel_groups(const float* x, int64_t k, const uint8_t* lanes, int64_t lane_stride, const float* d,
+                                const float* m, int64_t scale_stride, float* y, int64_t ldy, bool add) {
+  const int64_t blocks = k / kBlock;
+  __m256 acc[R][G];
+  for (int r = 0; r < R; ++r)
+    for (int g = 0; g < G; ++g) acc[r][g] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const float* xb = x + b * kBlock;
+    __m256 vd[G], vm[G];
+    for (int g = 0; g < G; ++g) {
+      vd[g] = _mm256_loadu_ps(d + g * scale_stride + b * kGroup);
+      vm[g] = m != nullptr ? _mm256_loadu_ps(m + g * scale_stride + b * kGroup) : _mm256_setzero_ps();
+    }
+    const uint8_t* lb = lanes + b * kBlock * L::kBytes;
+#pragma GCC unroll 2
+    for (int i = 0; i < kBlock; ++i) {
+      __m256 w[G];
+      for (int g = 0; g < G; ++g) w[g] = L::weights(lb + g * lane_stride + i * L::kBytes, vd[g], vm[g]);
+      for (int r = 0; r < R; ++r) {
+        const __m256 xr = _mm256_broadcast_ss(xb + r * k + i);
+        for (int g = 0; g < G; ++g) acc[r][g] = _mm256_fmadd_ps(xr, w[g], acc[r][g]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int g = 0; g < G; ++g) {
+      float* yr = y + r * ldy + g * kGroup;
+      _mm256_storeu_ps(yr, add ? _mm256_add_ps(_mm256_loadu_ps(yr), acc[r][g]) : acc[r][g]);
+    }
+}
+
+// Groups a tile of R rows multiplies at once: enough chains to hide the latency, few enough to stay in registers.
+constexpr int64_t lane_groups(int64_t rows) { return rows >= 6 ? 1 : rows >= 3 ? 2 : 4; }
+
+// Rows [0, R) of ``count`` adjacent groups (lanes, scales and minimums ``lane_stride`` / ``scale_stride`` apart).
+template <class L, int R>
+void lanes_tile(const float* x, int64_t k, const uint8_t* lanes, int64_t lane_stride, const float* d, const float* m,
+                int64_t scale_stride, float* y, int64_t ldy, bool add, int64_t count) {
+  constexpr int G = static_cast<int>(lane_groups(R));
+  int64_t g = 0;
+  const auto run = [&](auto groups) {
+    constexpr int n = decltype(groups)::value;
+    if constexpr (n == 1)
+      lanes_kernel<L, R>(x, k, lanes + g * lane_stride, d + g * scale_stride, m != nullptr ? m + g * scale_stride : m,
+                         y + g * kGroup, ldy, add);
+    else
+      lanes_kernel_groups<L, R, n>(x, k, lanes + g * lane_stride, lane_stride, d + g * scale_stride,
+                                   m != nullptr ? m + g * scale_stride : m, scale_stride, y + g * kGroup, ldy, add);
+    g += n;
+  };
+  while (count - g >= G) run(std::integral_constant<int, G>{});
+  if constexpr (G >= 4)
+    if (count - g == 3) run(std::integral_constant<int, 3>{});
+  if constexpr (G >= 3)
+    if (count - g == 2) run(std::integral_constant<int, 2>{});
+  if (count - g == 1) run(std::integral_constant<int, 1>{});
+}
+
+// Rows [0, rows) of ``count`` adjacent groups.
 template <class L>
-void lanes_group(const float* x, int64_t rows, int64_t k, const uint8_t* lanes, const float* d, const float* m,
-                 float* y, int64_t ldy, bool add) {
+void lanes_groups(const float* x, int64_t rows, int64_t k, const uint8_t* lanes, int64_t lane_stride, const float* d,
+                  const float* m, int64_t scale_stride, float* y, int64_t ldy, bool add, int64_t count) {
   for_each_lane_tile(rows, [&](int64_t r, auto size) {
-    lanes_kernel<L, decltype(size)::value>(x + r * k, k, lanes, d, m, y + r * ldy, ldy, add);
+    lanes_tile<L, decltype(size)::value>(x + r * k, k, lanes, lane_stride, d, m, scale_stride, y + r * ldy, ldy, add,
+                                         count);
   });
+}
+
+// Groups one task of a lane pass of ``rows`` rows takes: what its shortest tile multiplies at once.
+inline int64_t lane_task_groups(int64_t rows) {
+  const int64_t tiles = (rows + kLaneTile - 1) / kLaneTile;
+  return lane_groups(rows / tiles);
 }
 
 // ---- AVX-512 (where the CPU has it) ------------------------------------------------------------------------------
@@ -491,7 +561,7 @@ inline void lanes_kernel(const float* x, int64_t k, const uint8_t* la, const uin
   }
 }
 
-// Rows [0, rows) of two adjacent groups, in the tiles lanes_group uses.
+// Rows [0, rows) of two adjacent groups, in the tiles of for_each_lane_tile.
 template <class W, int64_t Bytes>
 void lanes_pair(const float* x, int64_t rows, int64_t k, const uint8_t* la, const uint8_t* lb, const float* da,
                 const float* db, const float* ma, const float* mb, float* y, int64_t ldy, bool add) {
@@ -1384,7 +1454,7 @@ void grouped_product(const float* x, int64_t rows, const BlockView& w, int64_t b
     });
     return;
   }
-  const int64_t per_task = wide_path && by_lanes ? 2 : 1;
+  const int64_t per_task = !by_lanes ? 1 : wide_path ? 2 : lane_task_groups(rows);
   const int64_t block_tasks = (groups + per_task - 1) / per_task;
   const int64_t dense_tasks = (extra + kGroup - 1) / kGroup, early = dense_tasks / 2;
   // As on the records' path: the float32 extra rows' tasks (~5x a block task's bytes) half first and half last, so
@@ -1403,14 +1473,15 @@ void grouped_product(const float* x, int64_t rows, const BlockView& w, int64_t b
       const float* mg = minimum != nullptr ? minimum + g * blocks * kGroup : nullptr;
       float* og = op + g * kGroup;
       const int64_t lane_stride = blocks * kBlock * L::kBytes, scale_stride = blocks * kGroup;
-      if (by_lanes && per_task == 2 && g + 1 < groups) {
+      if (by_lanes && wide_path && g + 1 < groups) {
         wide::lanes_pair<WideLanes, L::kBytes>(xp, rows, k, lw + g * lane_stride, lw + (g + 1) * lane_stride, dg,
                                                dg + scale_stride, mg, mg != nullptr ? mg + scale_stride : nullptr,
                                                og, ldo, add);
         continue;
       }
       if (by_lanes) {
-        lanes_group<L>(xp, rows, k, lw + g * lane_stride, dg, mg, og, ldo, add);
+        lanes_groups<L>(xp, rows, k, lw + g * lane_stride, lane_stride, dg, mg, scale_stride, og, ldo, add,
+                        std::min(per_task, groups - g));
         continue;
       }
       if (wide_path) {
