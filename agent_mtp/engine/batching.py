@@ -22,7 +22,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,6 +79,8 @@ class _Job:
     one's greedy token by the scheduler itself; 0: one pass, its caller woken after it."""
     stop_ids: frozenset[int] = frozenset()
     """A greedy run ends after a token in these (EOS, the request's stop tokens)."""
+    until: Callable[[int], bool] | None = None
+    """A greedy run also ends after a token for which this returns True (called on the scheduler thread)."""
     run: list[int] = field(default_factory=list)
     """A greedy run's tokens so far, one a pass."""
     stamps: list[float] = field(default_factory=list)
@@ -87,6 +89,8 @@ class _Job:
     def goes_on(self) -> bool:
         """After a pass: whether this greedy run takes the next pass too (fed its last token)."""
         if not self.steps or self.runner.closed or len(self.run) >= self.steps or self.run[-1] in self.stop_ids:
+            return False
+        if self.until is not None and self.until(self.run[-1]):
             return False
         self.item = BatchItem([self.run[-1]], self.item.cache, 1)
         self.prefill = False
@@ -282,12 +286,14 @@ class BatchingRunner(FastRunner):
         self.tokens += tokens
         return job.logits
 
-    def _greedy_run(self, first: int, steps: int, stop_ids: frozenset[int]) -> tuple[list[int], list[float]]:
+    def _greedy_run(
+        self, first: int, steps: int, stop_ids: frozenset[int], until: Callable[[int], bool] | None
+    ) -> tuple[list[int], list[float]]:
         """A greedy run (:meth:`greedy_steps`) in the scheduler's batches, each pass fed the last one's greedy token
         by the scheduler: the caller wakes once for them all, so a plain greedy sequence holds no Python step, and
         keeps no pass waiting for one, between its passes."""
         item = BatchItem([first], self.cache, 1, self.coarse_masks)
-        job = self._wait(_Job(self, item, prefill=not self._fed, steps=steps, stop_ids=stop_ids))
+        job = self._wait(_Job(self, item, prefill=not self._fed, steps=steps, stop_ids=stop_ids, until=until))
         self.tokens += [first, *job.run[:-1]]  # the last token is the caller's to feed
         return list(job.run), list(job.stamps)
 

@@ -30,7 +30,7 @@ from agent_mtp.engine.acceptance import (
 from agent_mtp.engine.config import DecodeConfig
 from agent_mtp.engine.constraints import TokenConstraint
 from agent_mtp.engine.drafts import Draft, DraftSource, MTPDraftSource, NgramDraftSource
-from agent_mtp.engine.planner import Plan, Planner
+from agent_mtp.engine.planner import FUTURE_CREDIT, Plan, Planner
 from agent_mtp.engine.results import DecodeStats, FinishReason, StreamChunk
 from agent_mtp.engine.runner import GreedyRunRunner, Runner
 from agent_mtp.engine.text import TextTracker
@@ -115,10 +115,10 @@ def decode(
             yield StreamChunk(text=tracker.finish(), token_ids=(), finish_reason="timeout", stats=stats)
             return
         budget = cfg.max_new_tokens - len(state.out)
-        steps = _greedy_run_steps(chains, state, cfg, setup, constraint, budget, stats)
+        steps, watch = _greedy_run_steps(chains, state, cfg, setup, constraint, budget, stats)
         if steps:
             assert isinstance(runner, GreedyRunRunner)
-            finish = yield from _greedy_run(runner, state, cfg, setup, tracker, steps, stats, start)
+            finish = yield from _greedy_run(runner, state, cfg, setup, tracker, steps, stats, start, watch)
             continue
         with single_threaded():  # the pass runs on the compute thread; sampling here (engine/threads.py)
             result = _one_pass(
@@ -155,20 +155,58 @@ def _greedy_run_steps(
     constraint: TokenConstraint | None,
     budget: int,
     stats: DecodeStats,
-) -> int | None:
-    """How many passes the next greedy run takes (:data:`GREEDY_RUN` at most, the token budget): a plain greedy
-    step (no constraint, one pending token, after the prefill) on a runner that chains passes (``chains``): every
-    such ``ntp`` step, and a ``verified`` one where no draft could pay (:func:`_plain_if_hopeless`: beside other
-    sequences, most passes), up to the planner's next exploring pass. 0 for a pass of the loop's own whose
-    hopelessness was ruled out here, None where it was not asked."""
+) -> tuple[int | None, _NgramWatch | None]:
+    """How many passes the next greedy run takes (:data:`GREEDY_RUN` at most, the token budget), and for a
+    ``verified`` run what ends it early: a plain greedy step (no constraint, one pending token, after the prefill) on
+    a runner that chains passes (``chains``): every such ``ntp`` step, and a ``verified`` one where no draft could pay
+    this pass (:func:`_plain_if_hopeless` without the prompt lookup, which has no match worth verifying now), up to
+    the planner's next exploring pass, ended by the first token after which the lookup has one (the watch: alone,
+    most passes of free text find none, and each paid a decode step in Python, ~0.45 ms a pass). 0 for a pass of the
+    loop's own whose hopelessness was ruled out here, None where it was not asked."""
     plain = cfg.temperature <= 0 and constraint is None and len(state.pending) == 1
     if not (chains and plain and stats.forward_passes) or budget < 2:
-        return None
+        return None, None
     if cfg.mode != "verified":
-        return min(GREEDY_RUN, budget)
-    if _plain_if_hopeless(state, cfg, setup.planner, budget, constraint) is None:
-        return 0
-    return setup.planner.plain_run(min(GREEDY_RUN, budget), budget - 1)
+        return min(GREEDY_RUN, budget), None
+    watch = _ngram_watch(state, cfg, setup.planner, budget)
+    if watch is not None and watch.matches():  # a draft worth verifying: the loop's own pass
+        return 0, None
+    if _plain_if_hopeless(state, cfg, setup.planner, budget, constraint, lookup=False) is None:
+        return 0, None
+    return setup.planner.plain_run(min(GREEDY_RUN, budget), budget - 1), watch
+
+
+@dataclass
+class _NgramWatch:
+    """Ends a ``verified`` greedy run after the first token following which the prompt lookup has a match over at
+    least ``min_match`` tokens (one whose drafts could pay: :meth:`Planner.could_pay` at its kind's rate); called
+    with each token of the run on the thread that runs the passes."""
+
+    source: NgramDraftSource
+    context: list[int]
+    min_match: int
+    tail: list[int] = field(default_factory=list)
+
+    def matches(self) -> bool:
+        """Whether the context (and the run's tokens so far) ends in such a match now."""
+        return self.source.match_length(self.context, self.tail) >= self.min_match
+
+    def __call__(self, token: int) -> bool:
+        self.tail.append(token)
+        return self.matches()
+
+
+def _ngram_watch(state: _State, cfg: DecodeConfig, planner: Planner, budget: int) -> _NgramWatch | None:
+    """The watch for prompt-lookup drafts of a verified greedy run: the shortest match whose kind's acceptance rate
+    could pay (one token, else two or more); None where no match could, or there is no lookup."""
+    source = next((s for s in state.sources if isinstance(s, NgramDraftSource)), None)
+    if source is None:
+        return None
+    rates = planner.rates
+    for min_match, rate in ((1, rates.ngram_short), (2, rates.ngram)):
+        if source.ngram_max >= min_match and planner.could_pay(1, rate, budget - 1):
+            return _NgramWatch(source, state.context, min_match)
+    return None
 
 
 def _greedy_run(
@@ -180,13 +218,16 @@ def _greedy_run(
     steps: int,
     stats: DecodeStats,
     start: float,
+    watch: _NgramWatch | None = None,
 ) -> Generator[StreamChunk, None, FinishReason | None]:
     """Up to ``steps`` plain greedy passes in one call to the runner, then each token as the loop takes it from a
     pass of its own: one chunk a token, the same stop rules (EOS, stop tokens, length, stop strings) and the
     deadline against the time its pass ended; the passes after a finishing token are dropped from the cache, which
     then holds what the loop's own passes would have left. Returns the finish reason, or None to go on."""
     with single_threaded():
-        tokens, ended = runner.greedy_steps(state.pending[0], steps, setup.eos_token_ids | set(cfg.stop_token_ids))
+        tokens, ended = runner.greedy_steps(
+            state.pending[0], steps, setup.eos_token_ids | set(cfg.stop_token_ids), watch
+        )
     for i, token in enumerate(tokens):
         stats.forward_passes += 1
         stats.k_used[1] = stats.k_used.get(1, 0) + 1
@@ -258,19 +299,26 @@ def _one_pass(
 
 
 def _plain_if_hopeless(
-    state: _State, cfg: DecodeConfig, planner: Planner, budget: int, constraint: TokenConstraint | None
+    state: _State,
+    cfg: DecodeConfig,
+    planner: Planner,
+    budget: int,
+    constraint: TokenConstraint | None,
+    *,
+    lookup: bool = True,
 ) -> Plan | None:
     """The plain pass when no draft could pay this pass (:meth:`Planner.plain_if_hopeless`), without asking the
     sources; None to plan as usual. A constraint's forced text may be certain, so a grammar with a draft to offer
-    always plans."""
+    always plans. ``lookup=False``: leave prompt-lookup drafts out (the caller found none worth verifying). A mask
+    is worth at most FUTURE_CREDIT times its position's rate (its token is only the next pass's draft)."""
     if cfg.mode != "verified" or not state.sources:
         return None
     if constraint is not None and "grammar" in cfg.drafts and _grammar_draft(constraint, budget - 1) is not None:
         return None
     rates = planner.rates
-    p_max = max([rates.ngram, rates.ngram_short] if "ngram" in cfg.drafts else [0.0])
+    p_max = max([rates.ngram, rates.ngram_short] if lookup and "ngram" in cfg.drafts else [0.0])
     if rates.positions:
-        p_max = max(p_max, *rates.positions)
+        p_max = max(p_max, FUTURE_CREDIT * max(rates.positions))
     if state.mtp.pending is not None:  # its tokens blend the masks' confidences in (up to 1)
         p_max = max(p_max, 0.5 + 0.5 * max(rates.positions, default=0.5))
     plan = planner.plain_if_hopeless(len(state.pending), p_max, budget - 1)

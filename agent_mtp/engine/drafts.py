@@ -7,7 +7,7 @@ pass, and reports back how many tokens of it were accepted (``update``), so sour
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -82,7 +82,7 @@ class NgramDraftSource:
         if length < 1 or len(context) < 2:
             return None
         self._index(context)
-        found = _longest_match(context, self._where.get(context[-1], ()), self.ngram_max)
+        found = _longest_match(context.__getitem__, len(context) - 1, self._where.get(context[-1], ()), self.ngram_max)
         if found is None:
             return None
         start, n = found
@@ -92,6 +92,24 @@ class NgramDraftSource:
 
     def update(self, draft: Draft, accepted: int) -> None:
         self.hits.update(len(draft.tokens), accepted)
+
+    def match_length(self, context: list[int], tail: Sequence[int] = ()) -> int:
+        """How many tokens the match :meth:`propose` would find for ``context`` followed by ``tail`` covers (0:
+        none), without indexing ``tail``: a greedy run asks it after each of its tokens (``tail``, not yet in the
+        context) whether a draft has turned up."""
+        if len(context) + len(tail) < 2:
+            return 0
+        self._index(context)
+        size = len(context)
+
+        def at(i: int) -> int:
+            return context[i] if i < size else tail[i - size]
+
+        last = size + len(tail) - 1
+        token = at(last)
+        earlier = [*self._where.get(token, ()), *(size + i for i, t in enumerate(tail[:-1]) if t == token)]
+        found = _longest_match(at, last, earlier, self.ngram_max)
+        return found[1] if found is not None else 0
 
     def _index(self, context: list[int]) -> None:
         """Add the context's new tokens to the index (rebuilt for another list, or one that got shorter)."""
@@ -103,16 +121,18 @@ class NgramDraftSource:
         self._indexed = len(context)
 
 
-def _longest_match(context: list[int], occurrences: Sequence[int], most: int) -> tuple[int, int] | None:
-    """(where the continuation starts, match length) of the earlier occurrence of the context's last token whose
-    preceding tokens match the context's for longest (at most ``most``; the latest among equals), or None."""
-    last = len(context) - 1
+def _longest_match(
+    at: Callable[[int], int], last: int, occurrences: Sequence[int], most: int
+) -> tuple[int, int] | None:
+    """(where the continuation starts, match length) of the earlier occurrence (in ``occurrences``, ascending) of
+    the token at ``last`` whose preceding tokens match those before ``last`` for longest (at most ``most``; the
+    latest among equals), or None; ``at(i)`` is the sequence's token i."""
     best: tuple[int, int] | None = None
     for position in reversed(occurrences):
         if position >= last:
             continue
         n = 1
-        while n < most and n <= position and context[position - n] == context[last - n]:
+        while n < most and n <= position and at(position - n) == at(last - n):
             n += 1
         if best is None or n > best[1]:
             best = (position + 1, n)

@@ -165,6 +165,17 @@ class Planner:
         exploring = self.explore_every and (self._passes + 1) % self.explore_every == 0
         if exploring and self._explore_masks(pending, 0, room, self.curve.cost) > 0:
             return None
+        if self.could_pay(pending, p_max, room):
+            return None
+        self._passes += 1
+        return Plan(None, 0)
+
+    def could_pay(self, pending: int, p_max: float, room: int) -> bool:
+        """Whether an option whose every row is accepted with probability at most ``p_max`` could beat the plain
+        pass (:meth:`plain_if_hopeless`'s test, without its exploring pass and without counting a pass): True where
+        there is no cost curve to tell."""
+        if not self.cost_aware or self.curve is None or room <= 0:
+            return True
         # every option's rows: a draft (at most AUTO_K_CAP - 1 mask tokens, or a 10-token n-gram) plus masks; an
         # option of L draft tokens and m masks costs at least real[L] + added[m] (the planner's floor), so it adds
         # at least (L + m) times the smaller of the two kinds' cheapest average row: where rows cost in steps (AMX
@@ -178,10 +189,7 @@ class Planner:
         else:  # rows alike: the cheapest row is a mask (draft-only masks cost the curve's share of a row)
             costs = _marginal(self.curve.costs(pending, rows))
             cheapest = [(costs[n] - costs[0]) * self._mask_share / n for n in range(1, len(costs))]
-        if not cheapest or p_max >= min(cheapest) * (1.0 - 1e-6):  # (rounding of equal steps)
-            return None
-        self._passes += 1
-        return Plan(None, 0)
+        return not cheapest or p_max >= min(cheapest) * (1.0 - 1e-6)  # (rounding of equal steps)
 
     def plain_run(self, limit: int, room: int) -> int:
         """Right after :meth:`plain_if_hopeless` chose a plain pass: how many plain passes in a row (that one

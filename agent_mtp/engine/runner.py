@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol, cast, runtime_checkable
 
 import torch
@@ -29,10 +29,14 @@ class GreedyRunRunner(Runner, Protocol):
     fast runner (the passes in one call to the compute thread) and its batched form (inside a scheduler's batches,
     engine/batching.py)."""
 
-    def greedy_steps(self, first: int, steps: int, stop_ids: frozenset[int]) -> tuple[list[int], list[float]]:
+    def greedy_steps(
+        self, first: int, steps: int, stop_ids: frozenset[int], until: Callable[[int], bool] | None = None
+    ) -> tuple[list[int], list[float]]:
         """Feed ``first``, then each pass's greedy token (the argmax, mask token left out), for up to ``steps``
-        one-token passes, ending early after a token in ``stop_ids``. Returns the greedy tokens (the last one not
-        fed: it is the decode loop's next pending token) and the ``time.perf_counter()`` at which each pass ended."""
+        one-token passes, ending early after a token in ``stop_ids`` or one for which ``until`` (called with each
+        new token, in order, on the thread that runs the passes) returns True. Returns the greedy tokens (the last
+        one not fed: it is the decode loop's next pending token) and the ``time.perf_counter()`` at which each pass
+        ended."""
         ...
 
 

@@ -6,6 +6,7 @@ import itertools
 import random
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -319,7 +320,7 @@ def test_a_single_sequence_takes_greedy_runs_on_the_compute_thread(engine: MTPEn
     for r in (one, runs):
         r.forward(prompt, 1)
     expected = []
-    for _ in range(6):
+    for _ in range(9):
         assert one.greedy is not None
         expected.append(one.greedy[-1])
         one.forward([expected[-1]], 1)
@@ -327,6 +328,15 @@ def test_a_single_sequence_takes_greedy_runs_on_the_compute_thread(engine: MTPEn
     assert tokens == expected[1:6] and ended == sorted(ended) and len(ended) == 5
     assert runs.tokens == [*prompt, *expected[:5]] and runs.length == len(prompt) + 5
     assert runs.greedy == [expected[5]]
+    seen: list[int] = []
+
+    def second(token: int) -> bool:
+        seen.append(token)
+        return len(seen) == 2
+
+    tokens, _ = runs.greedy_steps(expected[5], 4, frozenset(), second)
+    assert tokens == seen == expected[6:8]  # ``until`` said stop after the second: it was not fed
+    assert runs.length == len(prompt) + 7
     with pytest.raises(ValueError, match="steps=0"):
         runs.greedy_steps(1, 0, frozenset())
     cfg = DecodeConfig(mode="ntp", max_new_tokens=11, prefix_cache=False)
@@ -364,6 +374,9 @@ def test_plain_greedy_steps_run_in_the_scheduler_without_waking_the_caller(engin
         tokens, _ = runner.greedy_steps(expected[5], 4, frozenset({stop}))  # a stop token ends the run after it
         assert tokens == expected[6 : expected.index(stop, 6) + 1]
         assert runner.length == len(prompt) + 5 + len(tokens)
+        at = runner.length - len(prompt)  # the next pending token is expected[at]
+        tokens, _ = runner.greedy_steps(expected[at], 4, frozenset(), lambda t: t == expected[at + 1])
+        assert tokens == [expected[at + 1]]  # ``until`` ends the run after its first token, on the scheduler thread
         runner.close()
         with pytest.raises(RuntimeError, match="left the batch"):
             runner.greedy_steps(1, 2, frozenset())
@@ -414,9 +427,13 @@ def test_a_deadline_inside_a_greedy_run_ends_at_the_pass_that_crossed_it(
     real = BatchingRunner.greedy_steps
 
     def slow_third(
-        self: BatchingRunner, first: int, steps: int, stop_ids: frozenset[int]
+        self: BatchingRunner,
+        first: int,
+        steps: int,
+        stop_ids: frozenset[int],
+        until: Callable[[int], bool] | None = None,
     ) -> tuple[list[int], list[float]]:
-        tokens, ended = real(self, first, steps, stop_ids)
+        tokens, ended = real(self, first, steps, stop_ids, until)
         return tokens, [t + (60.0 if i >= 2 else 0.0) for i, t in enumerate(ended)]  # the third pass "ended late"
 
     monkeypatch.setattr(BatchingRunner, "greedy_steps", slow_third)
@@ -446,10 +463,14 @@ def test_verified_takes_greedy_runs_where_no_draft_could_pay(monkeypatch: pytest
     real = BatchingRunner.greedy_steps
 
     def counted(
-        self: BatchingRunner, first: int, steps: int, stop_ids: frozenset[int]
+        self: BatchingRunner,
+        first: int,
+        steps: int,
+        stop_ids: frozenset[int],
+        until: Callable[[int], bool] | None = None,
     ) -> tuple[list[int], list[float]]:
         runs.append(steps)
-        return real(self, first, steps, stop_ids)
+        return real(self, first, steps, stop_ids, until)
 
     monkeypatch.setattr(BatchingRunner, "greedy_steps", counted)
     cfg = DecodeConfig(mode="verified", k_max=4, max_new_tokens=30, prefix_cache=False)
@@ -463,6 +484,36 @@ def test_verified_takes_greedy_runs_where_no_draft_could_pay(monkeypatch: pytest
         assert runs and max(runs) == 4 and sum(runs) >= 3 * 20  # most of each sequence's passes in runs
     finally:
         batched.close()
+
+
+def test_verified_runs_end_where_the_prompt_lookup_finds_a_draft(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Alone, where a row costs less than a prompt-lookup draft token expects but more than a mask is worth (its
+    token is only the next pass's draft), ``verified`` takes greedy runs that end at the first token after which the
+    lookup has a match worth verifying: the same passes, drafts and tokens as the loop making every pass itself."""
+    engine = tiny_engine(adapter=True)
+    engine.set_cost_curve(CostCurve(((1, 1.0), (2, 1.3), (4, 1.9), (8, 3.1), (16, 5.5), (32, 10.3))))
+    watched: list[int] = []
+    real = FastRunner.greedy_steps
+
+    def counted(
+        self: FastRunner, first: int, steps: int, stop_ids: frozenset[int], until: Callable[[int], bool] | None = None
+    ) -> tuple[list[int], list[float]]:
+        watched.append(until is not None)
+        return real(self, first, steps, stop_ids, until)
+
+    monkeypatch.setattr(FastRunner, "greedy_steps", counted)
+    cfg = DecodeConfig(mode="verified", k_max=4, max_new_tokens=60, prefix_cache=False)
+    drafted = 0
+    for seed in range(4):
+        prompt = _ids(12, seed) * 2  # a repeated prompt: the lookup matches in it and in the output
+        own = list(engine.stream(prompt, cfg, runner=_one_pass_runner(engine)))
+        runs = list(engine.stream(prompt, cfg, runner=engine.new_runner()))
+        assert [c.token_ids for c in runs] == [c.token_ids for c in own]
+        mine, theirs = runs[-1].stats, own[-1].stats
+        assert mine is not None and theirs is not None
+        assert (mine.forward_passes, mine.draft_stats) == (theirs.forward_passes, theirs.draft_stats)
+        drafted += theirs.draft_stats.get("ngram", {}).get("passes", 0)
+    assert drafted and watched and all(watched)  # drafts were verified between watched runs
 
 
 def test_a_step_in_the_measured_pass_times_is_kept_and_shared() -> None:

@@ -88,6 +88,20 @@ def test_ngram_index_follows_a_growing_context_and_rebuilds_for_another():
     assert draft is not None and (draft.tokens, draft.match) == ((1, 5, 9, 2, 6, 1), 2)
 
 
+def test_ngram_match_length_of_a_tail_is_what_propose_finds_once_it_joins_the_context() -> None:
+    """A greedy run asks after each of its tokens (not yet in the context) whether the lookup has a match: the
+    answer is the match length :meth:`propose` reports for the context extended by those tokens (0 for none)."""
+    rng = random.Random(1)
+    for _ in range(200):
+        context = [rng.randrange(5) for _ in range(rng.randrange(1, 40))]
+        tail = [rng.randrange(5) for _ in range(rng.randrange(0, 6))]
+        source = NgramDraftSource(ngram_max=rng.choice([1, 2, 3, 5]), draft_len=4)
+        source.propose(context, 4)  # indexed up to here, as in the decode loop
+        expected = NgramDraftSource(ngram_max=source.ngram_max, draft_len=4).propose(context + tail, 4)
+        assert source.match_length(context, tail) == (expected.match if expected is not None else 0)
+    assert source._context is context  # the tail was not indexed into the context's index
+
+
 def test_choose_draft_prefers_higher_score():
     a, b = Draft((1,), "mtp", 0.2), Draft((1, 2, 3), "ngram", 1.5)
     assert choose_draft([a, b, None]) is b

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -41,19 +41,25 @@ class FastRunner:
         logits = self.model.forward(tokens, self.cache, keep, coarse_masks=self.coarse_masks)
         return logits, self.model.greedy_tokens(logits)
 
-    def greedy_steps(self, first: int, steps: int, stop_ids: frozenset[int]) -> tuple[list[int], list[float]]:
+    def greedy_steps(
+        self, first: int, steps: int, stop_ids: frozenset[int], until: Callable[[int], bool] | None = None
+    ) -> tuple[list[int], list[float]]:
         """Up to ``steps`` one-token passes in one call to the compute thread, each fed the last one's greedy token
         (see :class:`agent_mtp.engine.runner.GreedyRunRunner`): no hand-over to the caller's thread and no decode
         step in Python between them."""
         if steps < 1:
             raise ValueError(f"steps={steps} is not a number of passes; use 1 or more.")
-        return self._greedy_run(first, steps, stop_ids)
+        return self._greedy_run(first, steps, stop_ids, until)
 
-    def _greedy_run(self, first: int, steps: int, stop_ids: frozenset[int]) -> tuple[list[int], list[float]]:
+    def _greedy_run(
+        self, first: int, steps: int, stop_ids: frozenset[int], until: Callable[[int], bool] | None
+    ) -> tuple[list[int], list[float]]:
         """The run itself (:meth:`greedy_steps` checked its arguments); a batched runner makes it in the batches."""
-        return compute().run(self._greedy_steps, first, steps, stop_ids)
+        return compute().run(self._greedy_steps, first, steps, stop_ids, until)
 
-    def _greedy_steps(self, first: int, steps: int, stop_ids: frozenset[int]) -> tuple[list[int], list[float]]:
+    def _greedy_steps(
+        self, first: int, steps: int, stop_ids: frozenset[int], until: Callable[[int], bool] | None
+    ) -> tuple[list[int], list[float]]:
         tokens: list[int] = []
         ended: list[float] = []
         feed = first
@@ -63,7 +69,7 @@ class FastRunner:
             self.greedy = self.model.greedy_tokens(logits)
             tokens.append(self.greedy[-1])
             ended.append(time.perf_counter())
-            if tokens[-1] in stop_ids:
+            if tokens[-1] in stop_ids or (until is not None and until(tokens[-1])):
                 break
             feed = tokens[-1]
         return tokens, ended
