@@ -479,31 +479,68 @@ def _line(points: Sequence[tuple[int, float, int]]) -> tuple[float, float] | Non
 def _hinge(points: Sequence[tuple[int, float, int]]) -> Fit | None:
     """The best-fitting (weighted squared error) continuous two-segment line over every knee that leaves two
     measured row counts on each side (the knee counted on its left), keeping only fits whose second slope is the
-    steeper (a convex curve: rows never get cheaper past the knee); None when no knee qualifies."""
+    steeper (a convex curve: rows never get cheaper past the knee); None when no knee qualifies.
+
+    Each knee's normal equations and squared error are assembled from sums over the points right of it, kept as
+    running sums from the right, so the search is linear in the points: a server's table holds ~100 measured row
+    counts (prefills of up to 256 rows beside decode rows), where solving each knee over every point took ~40 ms of
+    Python holding the GIL every REFIT_EVERY passes, and the batch waited for the sequence making it."""
     rows = sorted({r for r, _, _ in points})
+    if len(rows) < 4:
+        return None
+    ordered = sorted(points)
+    total = _moments(ordered)
+    right = [0.0] * 6  # sums over the points right of the knee: w, w r, w r^2, w t, w r t (and w t^2, unused)
     best: tuple[float, Fit] | None = None
-    for knee in rows[1:-2]:
-        solved = _weighted_lstsq([(1.0, float(r), float(max(r - knee, 0)), t, w) for r, t, w in points])
-        if solved is None:
-            continue
-        a, b, c = solved
-        if a <= 0 or b < 0 or c <= 0:
-            continue
-        sse = sum(w * (a + b * r + c * max(r - knee, 0) - t) ** 2 for r, t, w in points)
-        if best is None or sse < best[0]:
-            best = (sse, (a, b, c, knee))
+    at = len(ordered)
+    for knee in reversed(rows[1:-2]):
+        while at > 0 and ordered[at - 1][0] > knee:
+            at -= 1
+            r, t, w = ordered[at]
+            for i, v in enumerate((w, w * r, w * r * r, w * t, w * r * t, w * t * t)):
+                right[i] += v
+        fit = _hinge_at(knee, total, right)
+        if fit is not None and (best is None or fit[0] <= best[0]):  # ties: the lowest knee, as ascending
+            best = fit
     return best[1] if best is not None else None
 
 
-def _weighted_lstsq(rows: Sequence[tuple[float, float, float, float, int]]) -> tuple[float, float, float] | None:
-    """Solve min sum w (x . beta - t)^2 for three coefficients (normal equations, Gaussian elimination)."""
-    m = [[0.0] * 4 for _ in range(3)]
-    for x0, x1, x2, t, w in rows:
-        x = (x0, x1, x2)
-        for i in range(3):
-            for j in range(3):
-                m[i][j] += w * x[i] * x[j]
-            m[i][3] += w * x[i] * t
+def _moments(points: Sequence[tuple[int, float, int]]) -> list[float]:
+    """[sum w, sum w r, sum w r^2, sum w t, sum w r t, sum w t^2] over ``points`` (rows, time, weight)."""
+    sums = [0.0] * 6
+    for r, t, w in points:
+        for i, v in enumerate((w, w * r, w * r * r, w * t, w * r * t, w * t * t)):
+            sums[i] += v
+    return sums
+
+
+def _hinge_at(knee: int, total: Sequence[float], right: Sequence[float]) -> tuple[float, Fit] | None:
+    """(weighted squared error, fit) of t = a + b r + c max(r - knee, 0) from the points' moments (``total``) and
+    those of the points right of the knee (``right``); None where it is not a convex fit with a, b >= 0."""
+    s0, s1, s2, t0, t1, tt = total
+    h0, h1, h2, u0, u1 = right[:5]
+    k = float(knee)
+    wh = h1 - k * h0  # sum w h, h = max(r - knee, 0)
+    wrh = h2 - k * h1  # sum w r h
+    whh = h2 - 2 * k * h1 + k * k * h0  # sum w h^2
+    wht = u1 - k * u0  # sum w h t
+    matrix = ((s0, s1, wh), (s1, s2, wrh), (wh, wrh, whh))
+    solved = _solve3(matrix, (t0, t1, wht))
+    if solved is None:
+        return None
+    a, b, c = solved
+    if a <= 0 or b < 0 or c <= 0:
+        return None
+    beta = (a, b, c)
+    rhs = (t0, t1, wht)
+    quadratic = sum(beta[i] * matrix[i][j] * beta[j] for i in range(3) for j in range(3))
+    sse = tt - 2 * sum(x * y for x, y in zip(beta, rhs, strict=True)) + quadratic
+    return sse, (a, b, c, knee)
+
+
+def _solve3(matrix: Sequence[Sequence[float]], rhs: Sequence[float]) -> tuple[float, float, float] | None:
+    """Solve a 3 x 3 linear system (Gaussian elimination with partial pivoting); None when singular."""
+    m = [[*row, v] for row, v in zip(matrix, rhs, strict=True)]
     for col in range(3):
         pivot = max(range(col, 3), key=lambda i: abs(m[i][col]))
         if abs(m[pivot][col]) < 1e-12:

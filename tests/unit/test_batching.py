@@ -540,3 +540,45 @@ def test_a_step_in_the_measured_pass_times_is_kept_and_shared() -> None:
         assert shared_pass_cost(line, 3, others=7, other_rows=other_rows) == pytest.approx(
             1 + 8 * (line[other_rows + 3] - line[other_rows + 1]) / line[other_rows + 1]
         )
+
+
+def _hinge_by_solving_every_knee(points: list[tuple[int, float, int]]) -> tuple[float, float, float, int] | None:
+    """The reference: each knee's weighted least squares solved over every point (numpy), the lowest error kept."""
+    import numpy as np
+
+    rows = sorted({r for r, _, _ in points})
+    best: tuple[float, tuple[float, float, float, int]] | None = None
+    r = np.array([p[0] for p in points], dtype=float)
+    t = np.array([p[1] for p in points])
+    w = np.array([p[2] for p in points], dtype=float)
+    for knee in rows[1:-2]:
+        x = np.stack([np.ones_like(r), r, np.maximum(r - knee, 0)], axis=1)
+        a, b, c = np.linalg.solve(x.T @ (w[:, None] * x), x.T @ (w * t))
+        if a <= 0 or b < 0 or c <= 0:
+            continue
+        sse = float(np.sum(w * (x @ np.array([a, b, c]) - t) ** 2))
+        if best is None or sse < best[0]:
+            best = (sse, (float(a), float(b), float(c), knee))
+    return best[1] if best is not None else None
+
+
+def test_the_two_segment_fit_is_linear_in_the_points_and_finds_each_knees_least_squares() -> None:
+    """A server's table holds ~100 measured row counts; the fit assembles each knee's normal equations from running
+    sums (it solved each knee over every point before: ~40 ms of Python holding the GIL per refit at 120 row
+    counts). Same knee and coefficients as solving every knee outright, on curves with a knee, lines and noise."""
+    from agent_mtp.engine.batching import _hinge
+
+    rng = random.Random(7)
+    found = 0
+    for trial in range(60):
+        rows = sorted(rng.sample(range(1, 257), rng.randint(4, 120)))
+        knee, a, b, c = rng.choice(rows[1:-2]), rng.uniform(0.005, 0.02), rng.uniform(0, 0.002), rng.uniform(0, 0.004)
+        noise = rng.choice([0.0, 1e-4, 1e-3])
+        points = [(r, a + b * r + c * max(r - knee, 0) + rng.uniform(0, noise), rng.randint(2, 20)) for r in rows]
+        got, expected = _hinge(points), _hinge_by_solving_every_knee(points)
+        assert (got is None) == (expected is None), trial
+        if got is not None and expected is not None:
+            found += 1
+            assert got[3] == expected[3], trial
+            assert got[:3] == pytest.approx(expected[:3], rel=1e-6, abs=1e-9), trial
+    assert found > 30
