@@ -516,7 +516,8 @@ def _moments(points: Sequence[tuple[int, float, int]]) -> list[float]:
 
 def _hinge_at(knee: int, total: Sequence[float], right: Sequence[float]) -> tuple[float, Fit] | None:
     """(weighted squared error, fit) of t = a + b r + c max(r - knee, 0) from the points' moments (``total``) and
-    those of the points right of the knee (``right``); None where it is not a convex fit with a, b >= 0."""
+    those of the points right of the knee (``right``); None where the system is singular or the fit is not one with
+    a > 0, b >= 0 and c > 0 (convex, as :func:`_hinge` keeps)."""
     s0, s1, s2, t0, t1, tt = total
     h0, h1, h2, u0, u1 = right[:5]
     k = float(knee)
