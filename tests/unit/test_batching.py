@@ -492,7 +492,7 @@ def test_verified_runs_end_where_the_prompt_lookup_finds_a_draft(monkeypatch: py
     lookup has a match worth verifying: the same passes, drafts and tokens as the loop making every pass itself."""
     engine = tiny_engine(adapter=True)
     engine.set_cost_curve(CostCurve(((1, 1.0), (2, 1.3), (4, 1.9), (8, 3.1), (16, 5.5), (32, 10.3))))
-    watched: list[int] = []
+    watched: list[bool] = []
     real = FastRunner.greedy_steps
 
     def counted(
