@@ -490,15 +490,13 @@ def _hinge(points: Sequence[tuple[int, float, int]]) -> Fit | None:
         return None
     ordered = sorted(points)
     total = _moments(ordered)
-    right = [0.0] * 6  # sums over the points right of the knee: w, w r, w r^2, w t, w r t (and w t^2, unused)
+    right = _moments(())  # the moments of the points right of the knee
     best: tuple[float, Fit] | None = None
     at = len(ordered)
     for knee in reversed(rows[1:-2]):
         while at > 0 and ordered[at - 1][0] > knee:
             at -= 1
-            r, t, w = ordered[at]
-            for i, v in enumerate((w, w * r, w * r * r, w * t, w * r * t, w * t * t)):
-                right[i] += v
+            _add_moments(right, *ordered[at])
         fit = _hinge_at(knee, total, right)
         if fit is not None and (best is None or fit[0] <= best[0]):  # ties: the lowest knee, as ascending
             best = fit
@@ -508,10 +506,15 @@ def _hinge(points: Sequence[tuple[int, float, int]]) -> Fit | None:
 def _moments(points: Sequence[tuple[int, float, int]]) -> list[float]:
     """[sum w, sum w r, sum w r^2, sum w t, sum w r t, sum w t^2] over ``points`` (rows, time, weight)."""
     sums = [0.0] * 6
-    for r, t, w in points:
-        for i, v in enumerate((w, w * r, w * r * r, w * t, w * r * t, w * t * t)):
-            sums[i] += v
+    for point in points:
+        _add_moments(sums, *point)
     return sums
+
+
+def _add_moments(sums: list[float], r: int, t: float, w: int) -> None:
+    """Add one point's terms to :func:`_moments`' sums."""
+    for i, v in enumerate((w, w * r, w * r * r, w * t, w * r * t, w * t * t)):
+        sums[i] += v
 
 
 def _hinge_at(knee: int, total: Sequence[float], right: Sequence[float]) -> tuple[float, Fit] | None:
