@@ -36,9 +36,6 @@ class CostCurve:
     one draft mask added 0.30 of a one-token pass, a second real token 0.06-0.10 (``points`` at 2 said 0.19-0.25
     for a draft token and two thirds of that for a mask: the planner bought masks that did not pay and left drafts
     that would have)."""
-    base_s: float | None = None
-    """Seconds the one-token pass took when the curve was measured (None: not known); the planner compares it
-    with the passes it sees now (:attr:`agent_mtp.engine.planner.Planner.row_scale`)."""
 
     def __post_init__(self) -> None:
         for name, points in (("points", self.points), ("real", self.real), ("draft", self.draft)):
@@ -46,23 +43,6 @@ class CostCurve:
                 raise ValueError(f"A cost curve needs a point at n=1 ({name}).")
         if not 0.0 < self.mask_share <= 1.0:
             raise ValueError(f"mask_share={self.mask_share} must be in (0, 1].")
-        if self.base_s is not None and not self.base_s > 0:
-            raise ValueError(f"base_s={self.base_s} must be a positive number of seconds (or None).")
-
-    def scaled(self, scale: float) -> CostCurve:
-        """This curve with what every row adds multiplied by ``scale`` (``1 + (cost - 1) * scale`` at every point
-        of every kind): the same rows beside a one-token pass ``1 / scale`` times as long (a shorter or longer
-        context, a busier machine)."""
-        if not scale > 0:
-            raise ValueError(f"scale={scale} must be positive.")
-
-        def rows(points: tuple[tuple[int, float], ...] | None) -> tuple[tuple[int, float], ...] | None:
-            return None if points is None else tuple((n, 1.0 + (c - 1.0) * scale) for n, c in points)
-
-        base_s = self.base_s / scale if self.base_s is not None else None
-        scaled = rows(self.points)
-        assert scaled is not None
-        return CostCurve(scaled, self.mask_share, rows(self.real), rows(self.draft), base_s)
 
     @functools.cached_property
     def _xs(self) -> list[int]:
@@ -126,8 +106,6 @@ class CostCurve:
 
     def to_json(self) -> str:
         data: dict[str, object] = {"points": [list(p) for p in self.points], "mask_share": self.mask_share}
-        if self.base_s is not None:
-            data["base_s"] = self.base_s
         for name, points in (("real", self.real), ("draft", self.draft)):
             if points is not None:
                 data[name] = [list(p) for p in points]
@@ -142,14 +120,7 @@ class CostCurve:
 
         points = read(data["points"])
         assert points is not None
-        base_s = data.get("base_s")
-        return cls(
-            points,
-            float(data.get("mask_share", 1.0)),
-            read(data.get("real")),
-            read(data.get("draft")),
-            float(base_s) if base_s is not None else None,
-        )
+        return cls(points, float(data.get("mask_share", 1.0)), read(data.get("real")), read(data.get("draft")))
 
     @classmethod
     def flat(cls) -> CostCurve:
@@ -223,7 +194,6 @@ def measure_cost_curve(
         share,
         _relative(samples["real"], points, base) if "real" in samples else None,
         _relative(samples["draft"], points, base) if "draft" in samples else None,
-        base if base > 0 else None,
     )
 
 

@@ -30,7 +30,7 @@ from agent_mtp.engine.acceptance import (
 from agent_mtp.engine.config import DecodeConfig
 from agent_mtp.engine.constraints import TokenConstraint
 from agent_mtp.engine.drafts import Draft, DraftSource, MTPDraftSource, NgramDraftSource
-from agent_mtp.engine.planner import FUTURE_CREDIT, LoopOverhead, Plan, Planner
+from agent_mtp.engine.planner import FUTURE_CREDIT, Plan, Planner
 from agent_mtp.engine.results import DecodeStats, FinishReason, StreamChunk
 from agent_mtp.engine.runner import GreedyRunRunner, Runner
 from agent_mtp.engine.text import TextTracker
@@ -64,8 +64,6 @@ class _PassResult:
     source: str
     proposed_beyond_first: int = 0
     accepted_beyond_first: int = 0
-    forward_s: float = 0.0
-    """Seconds the runner's forward took (the rest of the loop's pass is Python: :class:`LoopOverhead`)."""
 
 
 @dataclass
@@ -110,13 +108,7 @@ def decode(
     finish: FinishReason | None = None
     # greedy runs (_greedy_run) where the runner chains passes: ntp, and verified where no draft could pay
     chains = cfg.mode in ("ntp", "verified") and isinstance(runner, GreedyRunRunner)
-    # plain passes are greedy runs only for greedy free text: only there do other options leave one (sampled
-    # output must not depend on timings measured by earlier generations)
-    setup.planner.chains = chains and cfg.temperature <= 0 and constraint is None
-    # measured where it is read, on passes of this sequence alone (a shared pass's time is the batch's)
-    loop = setup.planner.loop if setup.planner.chains and cfg.mode == "verified" and share_curve is None else None
     while finish is None:
-        began = time.perf_counter()
         if cfg.max_time is not None and stats.forward_passes and time.perf_counter() - start >= cfg.max_time:
             finish = "timeout"
             stats.new_tokens, stats.wall_s = len(state.out), time.perf_counter() - start
@@ -126,7 +118,7 @@ def decode(
         steps, watch = _greedy_run_steps(chains, state, cfg, setup, constraint, budget, stats)
         if steps:
             assert isinstance(runner, GreedyRunRunner)
-            finish = yield from _greedy_run(runner, state, cfg, setup, tracker, steps, stats, start, watch, began, loop)
+            finish = yield from _greedy_run(runner, state, cfg, setup, tracker, steps, stats, start, watch)
             continue
         with single_threaded():  # the pass runs on the compute thread; sampling here (engine/threads.py)
             result = _one_pass(
@@ -141,8 +133,6 @@ def decode(
                 jumped, finish, jumped_text = _jump_forward(state, cfg, setup, tracker, constraint)
                 stats.jump_forward_tokens += len(jumped)
                 kept, text = kept + jumped, text + jumped_text
-            if loop is not None and stats.forward_passes > 1 and constraint is None:  # a decode pass, free text
-                loop.observe_loop(time.perf_counter() - began - result.forward_s)
         if finish is None and cfg.max_time is not None and time.perf_counter() - start >= cfg.max_time:
             finish = "timeout"
         if finish is not None:
@@ -229,25 +219,18 @@ def _greedy_run(
     stats: DecodeStats,
     start: float,
     watch: _NgramWatch | None = None,
-    began: float | None = None,
-    loop: LoopOverhead | None = None,
 ) -> Generator[StreamChunk, None, FinishReason | None]:
     """Up to ``steps`` plain greedy passes in one call to the runner, then each token as the loop takes it from a
     pass of its own: one chunk a token, the same stop rules (EOS, stop tokens, length, stop strings) and the
     deadline against the time its pass ended; the passes after a finishing token are dropped from the cache, which
-    then holds what the loop's own passes would have left. Returns the finish reason, or None to go on. ``loop``:
-    where to record the run's Python and passes per token (``began``: when the loop's iteration started)."""
-    called = time.perf_counter()
+    then holds what the loop's own passes would have left. Returns the finish reason, or None to go on."""
     with single_threaded():
         tokens, ended = runner.greedy_steps(
             state.pending[0], steps, setup.eos_token_ids | set(cfg.stop_token_ids), watch
         )
-    returned = time.perf_counter()
-    python_s = called - began if began is not None else 0.0
     if cfg.mode == "verified" and len(tokens) < steps:  # ended early (the watch, a stop token): not all made
         setup.planner.unplanned(steps - len(tokens))
     for i, token in enumerate(tokens):
-        appending = time.perf_counter()
         stats.forward_passes += 1
         stats.k_used[1] = stats.k_used.get(1, 0) + 1
         stats.accept_histogram[1] = stats.accept_histogram.get(1, 0) + 1
@@ -259,9 +242,6 @@ def _greedy_run(
             runner.drop(len(tokens) - 1 - i)  # fed after this token: not the output's
             text += tracker.finish()
         stats.new_tokens, stats.wall_s = len(state.out), time.perf_counter() - start
-        python_s += time.perf_counter() - appending
-        if loop is not None and finish is None and i == len(tokens) - 1:
-            loop.observe_run(python_s, returned - called, len(tokens))
         yield StreamChunk(
             text=text,
             token_ids=tuple(kept),
@@ -295,9 +275,7 @@ def _one_pass(
     draft_tokens = plan.draft_tokens
     feed = state.pending + draft_tokens + [setup.mask_token_id] * masks
     keep = len(draft_tokens) + masks + 1
-    began = time.perf_counter()
     logits = runner.forward(feed, keep)  # [keep, V]: row 0 = last pending token
-    forward_s = time.perf_counter() - began
     top = getattr(runner, "greedy", None) if cfg.temperature <= 0 else None  # the runner's argmax per row, if any
     # The mask token is never a prediction. The runner's argmax already leaves it out; the logits need it at -inf
     # only where something reads them: sampling, mask rows' confidences, the fallback of a constraint that could
@@ -319,7 +297,6 @@ def _one_pass(
         runner.drop(masks)
         state.pending = list(result.new_tokens)
     setup.planner.observe(plan, result.proposed_beyond_first, result.accepted_beyond_first)
-    result.forward_s = forward_s
     return result
 
 

@@ -21,7 +21,7 @@ from agent_mtp.engine.decode import DecodeSetup, decode
 from agent_mtp.engine.fast import FastModel, FastRunner, blockq, unsupported_reason
 from agent_mtp.engine.fast.model import SourceSignature
 from agent_mtp.engine.loading import DEFAULT_MODEL_ALIASES, LoadedModel, cache_root, load_model, prefix_cache_mb
-from agent_mtp.engine.planner import LoopOverhead, Planner, needs_cost_curve
+from agent_mtp.engine.planner import Planner, needs_cost_curve
 from agent_mtp.engine.prefix_cache import PrefixCache
 from agent_mtp.engine.prompt import eos_token_ids, render_messages
 from agent_mtp.engine.results import GenerationResult, StreamChunk
@@ -131,9 +131,6 @@ class MTPEngine:
         budget = prefix_cache_mb_setting(prefix_cache_mb)
         self.prefix_cache = PrefixCache(int(budget * 2**20))
         """Keys and values of earlier generations, reused by requests that share a prefix with them."""
-        self.loop_overhead = LoopOverhead()
-        """What ``verified``'s passes of the decode loop's own cost beyond a greedy run's, measured on this engine's
-        generations (its planners price drafts and masks with it)."""
 
     # -- construction -----------------------------------------------------------------------------------------
     @classmethod
@@ -264,8 +261,9 @@ class MTPEngine:
         ids = self.encode_prompt(prompt)
         cfg = self._fit_to_context(cfg, len(ids))
         curve = self.cost_curve if needs_cost_curve(cfg) else None
-        planner = Planner.for_config(cfg, curve, self.loop_overhead)
-        setup = DecodeSetup(self.mask_token_id, self.eos_token_ids, planner, self.draft_masks == "int8")
+        setup = DecodeSetup(
+            self.mask_token_id, self.eos_token_ids, Planner.for_config(cfg, curve), self.draft_masks == "int8"
+        )
         if runner is not None:
             if runner.length:
                 raise ValueError(f"stream(runner=...) needs an empty runner; this one holds {runner.length} tokens.")
@@ -445,9 +443,8 @@ class MTPEngine:
             kernels += "-kv16"
         if self.runtime != "hf" and self.row_grid == "int16":
             kernels += "-grid16"
-        # c2: curves with the real-token and draft-mask passes measured apart (older files lack them); c3: with
-        # the one-token pass's seconds (base_s), which the planner compares with the passes it sees
-        name = f"{slug}-{device}-{dtype}-{self.runtime}{kernels}-t{compute_threads()}-c3.json"
+        # c2: curves with the real-token and draft-mask passes measured apart (older files lack them)
+        name = f"{slug}-{device}-{dtype}-{self.runtime}{kernels}-t{compute_threads()}-c2.json"
         return cache_root() / "cost_curves" / name
 
     def measure_cost_curve(self) -> CostCurve:

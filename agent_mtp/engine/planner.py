@@ -25,7 +25,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -41,60 +40,6 @@ EXPLORE_OVERHEAD = 0.03
 pass shared with other sequences, where rows are dear, fewer)."""
 AUTO_K_CAP = 16
 """Most tokens per pass that ``k_max="auto"`` considers."""
-LOOP_SAMPLES = 8
-"""Passes of each kind (the loop's own, greedy runs) :class:`LoopOverhead` waits for before it prices anything."""
-ROW_SCALE_MIN, ROW_SCALE_MAX = 0.5, 2.0
-"""Bounds of :attr:`Planner.row_scale`."""
-LOOP_WEIGHT = 0.05
-"""Weight of a new sample in :class:`LoopOverhead`'s running averages."""
-
-
-@dataclass
-class LoopOverhead:
-    """What a ``verified`` pass of the decode loop's own costs beyond its forward, compared with a pass of a greedy
-    run (:func:`agent_mtp.engine.decode._greedy_run`), as a share of a one-token pass: measured on the passes an
-    engine makes (one per engine, shared by its generations) and read by the planner, which adds it to every option
-    that leaves a greedy run (a draft, masks). A pass of the loop's own asks the draft sources, plans, verifies and
-    appends in Python before the next pass can start (the forward itself is priced by the cost curve); a greedy run
-    makes its passes back to back and appends each token after. On a 2-core Emerald Rapids VM with the default
-    model, verified passes of the loop's own without a draft (the planner's hopeless test let them through)
-    cost ~0.45 ms more than a greedy run's ~3.7 ms pass: the summary suite ran 0.90x NTP so. Updated from the
-    decoding threads without a lock: a lost sample only delays an average."""
-
-    loop_s: float = 0.0
-    """Running average: seconds of Python in a pass of the loop's own, outside its forward."""
-    run_s: float = 0.0
-    """Running average: seconds of Python per token of a greedy run, outside its passes."""
-    pass_s: float = 0.0
-    """Running average: seconds of one pass of a greedy run (a one-token pass as the engine makes it)."""
-    loops: int = 0
-    runs: int = 0
-
-    def observe_loop(self, python_s: float) -> None:
-        self.loop_s = _average(self.loop_s, python_s, self.loops)
-        self.loops += 1
-
-    def observe_run(self, python_s: float, pass_s: float, tokens: int) -> None:
-        """A greedy run of ``tokens`` passes: its Python and its passes' seconds, each per token."""
-        if tokens <= 0:
-            return
-        self.run_s = _average(self.run_s, python_s / tokens, self.runs)
-        self.pass_s = _average(self.pass_s, pass_s / tokens, self.runs)
-        self.runs += 1
-
-    @property
-    def share(self) -> float:
-        """The loop's extra cost per pass as a share of a one-token pass; 0 until both kinds have been seen
-        :data:`LOOP_SAMPLES` times."""
-        if min(self.loops, self.runs) < LOOP_SAMPLES or self.pass_s <= 0:
-            return 0.0
-        return max(self.loop_s - self.run_s, 0.0) / self.pass_s
-
-
-def _average(mean: float, sample: float, count: int) -> float:
-    """A running mean of the first samples, then an exponentially weighted one (:data:`LOOP_WEIGHT`)."""
-    weight = max(1.0 / (count + 1), LOOP_WEIGHT)
-    return mean + weight * (sample - mean)
 
 
 @dataclass
@@ -179,33 +124,18 @@ class Planner:
     curve: CostCurve | None = None
     rates: AcceptanceRates = field(default_factory=lambda: AcceptanceRates([]))
     explore_every: int = 16
-    """Every n-th pass tries the largest k (so the rates keep learning); 0 never. A cost-aware ``verified``
-    planner explores less often where even one mask costs more than this allowance (:meth:`_explore_period`)."""
-    loop: LoopOverhead | None = None
-    """The engine's measured cost of a pass of the decode loop's own (``verified``, cost-aware)."""
-    chains: bool = False
-    """The runner makes plain passes as greedy runs (set by the decode loop): only then do other options pay
-    :attr:`loop`'s overhead that a plain pass does not."""
+    """Every n-th pass tries the largest k (so the rates keep learning); 0 never."""
     _passes: int = 0
-    _scaled: tuple[float, CostCurve, CostCurve] | None = None
-    """(scale, curve, the curve scaled): :attr:`_priced`'s last."""
 
     @classmethod
-    def for_config(cls, cfg: DecodeConfig, curve: CostCurve | None, loop: LoopOverhead | None = None) -> Planner:
-        """The planner of one generation; ``curve`` is needed when :func:`needs_cost_curve` says so; ``loop``:
-        the engine's measured overhead of the loop's own passes (cost-aware ``verified`` reads it)."""
+    def for_config(cls, cfg: DecodeConfig, curve: CostCurve | None) -> Planner:
+        """The planner of one generation; ``curve`` is needed when :func:`needs_cost_curve` says so."""
         k_cap = AUTO_K_CAP if cfg.k_max == "auto" else int(cfg.k_max)
         auto_k = cfg.k_max == "auto" and cfg.mode != "ntp"
         cost_aware = cfg.mode == "verified" and cfg.cost_aware
         if cost_aware:  # a verified pass: rates of MTP drafts and n-grams, explore more often
-            return cls(cfg.mode, k_cap, auto_k, True, curve, AcceptanceRates([0.5] * max(k_cap - 1, 0)), 8, loop)
+            return cls(cfg.mode, k_cap, auto_k, True, curve, AcceptanceRates([0.5] * max(k_cap - 1, 0)), 8)
         return cls(cfg.mode, k_cap, auto_k, False, curve, AcceptanceRates([0.6] * (k_cap - 1)), 16)
-
-    @property
-    def overhead(self) -> float:
-        """What an option other than the plain pass adds for leaving a greedy run (:class:`LoopOverhead`), as a
-        share of a one-token pass: 0 where plain passes are the loop's own too, or nothing was measured."""
-        return self.loop.share if self.chains and self.loop is not None and self.cost_aware else 0.0
 
     def plan(self, pending: int, drafts: list[Draft], budget: int) -> Plan:
         """The next pass for ``pending`` uncached tokens, the sources' ``drafts`` and ``budget`` tokens left."""
@@ -221,21 +151,24 @@ class Planner:
         None (then ask them and :meth:`plan`). Hopeless: a verified, cost-aware pass that does not explore, where
         every row an option could add (a draft token or a mask, the first or a further one) adds more than
         ``p_max`` (the largest acceptance probability any draft token or mask could have): an option of n rows
-        then expects at most n * p_max more tokens for more than n * p_max more cost (plus :attr:`overhead`).
-        Skips the sources' lookups
+        then expects at most n * p_max more tokens for more than n * p_max more cost. Skips the sources' lookups
         and the search, which a sequence beside 7 others ran on every pass (~90 us of Python there, after a pass
         that left the caches cold) for passes where they never paid, and lets it take greedy runs. Rows are priced
         at the cheapest average of an option's rows, not at the cheapest single step, which after a step (the row
         that opens a tile chunk beside 7 other sequences) is nearly free though no option reaches it without
         paying the step. ``room``: tokens left minus one. ``masks_only``: the only options are masks (no draft is
-        pending and the prompt lookup has no match): then they are scored as :meth:`plan` scores them, not
-        bounded by ``p_max`` (the bound let passes of the loop's own through that then chose no mask)."""
+        pending and the prompt lookup has no match): they are then scored as :meth:`plan` scores them, not bounded
+        by ``p_max``: the bound (a mask at FUTURE_CREDIT x its rate, 0.25 at the prior, against a 0.19 row) let
+        passes of the loop's own through that then chose no mask, each ~0.3 ms of Python more than a greedy run's
+        pass (on a 2-core Emerald Rapids VM, without prompt lookup, the summary suite ran 0.90x NTP so, 1.01x
+        after)."""
         if not self.cost_aware or self.curve is None or room <= 0:
             return None
         # an exploring pass: a plan of its own where it can afford masks; where rows are too dear for even one
         # (beside other sequences) it would explore nothing and is plain like the rest, so a greedy run goes on
         # through it (16 clients in one process: verified 0.93x NTP exploring every 8th pass, 0.99x never)
-        if self._exploring(self._passes + 1) and self._explore_masks(pending, 0, room, self._priced.cost) > 0:
+        exploring = self.explore_every and (self._passes + 1) % self.explore_every == 0
+        if exploring and self._explore_masks(pending, 0, room, self.curve.cost) > 0:
             return None
         if self._best(pending, [], room)[2] > 0 if masks_only else self.could_pay(pending, p_max, room):
             return None
@@ -254,17 +187,14 @@ class Planner:
         # tile chunks of 8; a shared pass's first extra row opens one), that is the step shared by the rows it
         # opens for, not the cheap row after it
         rows = min(room, 2 * AUTO_K_CAP) + 1
-        curve = self._priced
-        if curve.prices_masks_apart:
-            real = _marginal(curve.real_costs(pending, rows))
-            added = curve.mask_costs(min(rows, AUTO_K_CAP))
-            cheapest = [(n, (c[n] - c[0]) / n) for c in (real, added) for n in range(1, len(c))]
+        if self.curve.prices_masks_apart:
+            real = _marginal(self.curve.real_costs(pending, rows))
+            added = self.curve.mask_costs(min(rows, AUTO_K_CAP))
+            cheapest = [(c[n] - c[0]) / n for c in (real, added) for n in range(1, len(c))]
         else:  # rows alike: the cheapest row is a mask (draft-only masks cost the curve's share of a row)
-            costs = _marginal(curve.costs(pending, rows))
-            cheapest = [(n, (costs[n] - costs[0]) * self._mask_share / n) for n in range(1, len(costs))]
-        # n rows expect at most n * p_max tokens for n * row + the loop's overhead (rounding of equal steps kept)
-        overhead = self.overhead
-        return not cheapest or any(n * (p_max - row * (1.0 - 1e-6)) >= overhead for n, row in cheapest)
+            costs = _marginal(self.curve.costs(pending, rows))
+            cheapest = [(costs[n] - costs[0]) * self._mask_share / n for n in range(1, len(costs))]
+        return not cheapest or p_max >= min(cheapest) * (1.0 - 1e-6)  # (rounding of equal steps)
 
     def plain_run(self, limit: int, room: int) -> int:
         """Right after :meth:`plain_if_hopeless` chose a plain pass: how many plain passes in a row (that one
@@ -272,15 +202,15 @@ class Planner:
         to make at once (``room``: tokens left minus one, as there); the ones after the first are counted as made
         (:meth:`unplanned` takes back those a run that ends early did not make)."""
         run = max(limit, 1)
-        period = self._explore_period()
-        if period and self.curve is not None and self._explore_masks(1, 0, room, self._priced.cost) > 0:
-            run = min(run, period - self._passes % period)
+        if self.explore_every and self.curve is not None and self._explore_masks(1, 0, room, self.curve.cost) > 0:
+            run = min(run, self.explore_every - self._passes % self.explore_every)
         self._passes += run - 1
         return run
 
     def unplanned(self, passes: int) -> None:
-        """A greedy run that :meth:`plain_run` counted made ``passes`` fewer passes (the watch or a stop token
-        ended it): they are not counted, so the next exploring pass comes when it would have pass by pass."""
+        """A greedy run that :meth:`plain_run` counted made ``passes`` fewer passes (the prompt lookup's watch or a
+        stop token ended it): they are not counted, so the next exploring pass comes when it would have pass by
+        pass."""
         self._passes = max(self._passes - passes, 0)
 
     def observe(self, plan: Plan, proposed: int, accepted: int) -> None:
@@ -330,26 +260,25 @@ class Planner:
         self._passes += 1
         winner, length, masks = self._best(pending, candidates, room)
         draft = _prefix(winner, length) if winner is not None else None
-        if self._exploring(self._passes) and masks == 0:
-            masks = self._explore_masks(pending, length, room, self._priced.cost)
+        if self.explore_every and self._passes % self.explore_every == 0 and masks == 0:
+            masks = self._explore_masks(pending, length, room, self.curve.cost)
         return Plan(draft, masks)
 
     def _best(self, pending: int, candidates: list[Draft], room: int) -> tuple[Draft | None, int, int]:
-        """The option that scores best (candidate, draft length, masks), the plain pass (None, 0, 0) where none
-        beats it; every other option pays :attr:`overhead`."""
+        """The option that scores best: (candidate, draft length, masks); (None, 0, 0) where none beats the plain
+        pass."""
         assert self.curve is not None, "cost-aware verification needs a cost curve"
         most_masks = max(self.k_cap - 1, 0)
         longest = max((min(len(c.tokens), room) for c in candidates), default=0)
         top = max(min(most_masks, room), 0)
-        curve = self._priced
-        apart = curve.prices_masks_apart
+        apart = self.curve.prices_masks_apart
         # [i]: + i draft tokens (+ masks, where every row is priced alike)
-        rows = longest + top + 1
-        real = _marginal(curve.real_costs(pending, rows) if apart else curve.costs(pending, rows))
-        added = curve.mask_costs(top + 1) if apart else ()  # [m]: what m masks add to a one-token pass
-        one = curve.real_costs(1, top + 1) if apart else ()  # [m]: a one-token pass with m more real rows
+        real = _marginal(
+            self.curve.real_costs(pending, longest + top + 1) if apart else self.curve.costs(pending, longest + top + 1)
+        )
+        added = self.curve.mask_costs(top + 1) if apart else ()  # [m]: what m masks add to a one-token pass
+        one = self.curve.real_costs(1, top + 1) if apart else ()  # [m]: a one-token pass with m more real rows
         share = self._mask_share
-        overhead = self.overhead
         # A pass costs at least as much with more rows (every curve the engine builds): then, for one draft option,
         # once even its largest value over this pass's cost cannot beat the best, no more masks can.
         prune = list(added) == sorted(added) and list(real) == sorted(real)  # (a kept range is a tuple)
@@ -367,16 +296,15 @@ class Planner:
             top_masks = max(min(most_masks, room - length), 0)
             ceiling = 1.0 + expected + p_all * gain[top_masks] * FUTURE_CREDIT
             for masks in range(top_masks + 1):
-                extra = overhead if length or masks else 0.0  # leaving a greedy run
                 if apart:
-                    here = real[length] + added[masks] + extra  # a floor that grows with masks: the prune reads it
+                    here = real[length] + added[masks]  # a floor that grows with masks: the prune reads it
                     if prune and ceiling / here <= best + 1e-12:
                         break
                     # on a longer pass (a draft, a prefill) rows may cost more than on a one-token pass: the masks
                     # add that excess too
                     here += max(0.0, real[length + masks] - real[length] - (one[masks] - 1.0))
                 else:  # rows alike, each mask at the curve's share of a row
-                    here = real[length] + share * (real[length + masks] - real[length]) + extra
+                    here = real[length] + share * (real[length + masks] - real[length])
                     if prune and ceiling / here <= best + 1e-12:
                         break
                 future = p_all * gain[masks] * FUTURE_CREDIT
@@ -385,80 +313,18 @@ class Planner:
                     best, chosen = score, (option, length, masks)
         return chosen
 
-    def _exploring(self, count: int) -> bool:
-        """Whether the ``count``-th counted pass explores."""
-        period = self._explore_period()
-        return period > 0 and count % period == 0
-
-    def _explore_period(self) -> int:
-        """Passes between two exploring ones (0: none): :attr:`explore_every`, longer for a cost-aware ``verified``
-        planner where exploring even one mask costs more than :attr:`explore_every` passes' allowance
-        (:data:`EXPLORE_OVERHEAD` each), so that exploring still costs that share on average. A mask is paid for
-        with its row, the pass of the loop's own that carries it (:attr:`overhead`) and the row that verifies its
-        token in the next pass: on a 2-core Emerald Rapids VM ~0.6 of a one-token pass against an allowance of
-        0.24, and exploring every 8th pass made the chat suite 0.93x NTP where it made 1.02x without exploring.
-        None where one mask costs a whole pass: it could never pay (it yields at most one token)."""
-        if not self.cost_aware or self.curve is None or not self.explore_every:
-            return max(self.explore_every, 0)
-        curve = self._priced
-        one_mask = self._mask_share * (curve.cost(2) - 1.0) + self._verify_row + self.overhead
-        if one_mask >= curve.cost(1):
-            return 0
-        allowance = EXPLORE_OVERHEAD * self.explore_every * curve.cost(1)
-        return self.explore_every * max(1, math.ceil(one_mask / allowance - 1e-9))
-
-    @property
-    def _verify_row(self) -> float:
-        """What verifying an explored mask's token adds to the next pass: a real row (cost-aware ``verified``)."""
-        if not self.cost_aware or self.curve is None:
-            return 0.0
-        curve = self._priced
-        two = curve.real_costs(1, 2)[1] if curve.prices_masks_apart else curve.cost(2)
-        return max(two - 1.0, 0.0)
-
     def _explore_masks(self, pending: int, length: int, room: int, cost: Callable[[int], float]) -> int:
         """Masks an exploring pass adds to a draft of ``length``: as many as fit in the exploration allowance,
         which is measured against a one-token pass (what a decode pass of this sequence costs), so that exploring
         costs at most EXPLORE_OVERHEAD on average however long the draft or the pass is (a prefill's own cost is
         no allowance for rows), and fewer masks when rows are dear (a pass shared with other sequences)."""
         fed = pending + length
-        period = self._explore_period()
-        allowance = EXPLORE_OVERHEAD * period * cost(1) - self.overhead
+        allowance = EXPLORE_OVERHEAD * self.explore_every * cost(1)
         most = max(min(self.k_cap - 1, room - length), 0)
         masks = 0
-        while masks < most and (
-            self._mask_share * (cost(fed + masks + 1) - cost(fed)) + (masks + 1) * self._verify_row
-            <= allowance + 1e-9
-        ):
+        while masks < most and self._mask_share * (cost(fed + masks + 1) - cost(fed)) <= allowance:
             masks += 1
         return masks
-
-    @property
-    def row_scale(self) -> float:
-        """What a row costs now against what the cost curve says, both relative to a one-token pass: the curve's
-        one-token pass (timed at a 256-token context) over the one-token passes this engine's greedy runs take now
-        (:class:`LoopOverhead`), within [:data:`ROW_SCALE_MIN`, :data:`ROW_SCALE_MAX`]; 1 where either is
-        unknown (a shared pass's curve is fitted to the passes it measures). A row's own cost (its products) hardly
-        depends on the context, a pass's does: on a 2-core Emerald Rapids VM a one-token pass took ~3.7 ms at 40
-        cached positions and ~6 ms at 300, while a draft token added ~1.3-1.4 ms at both, so a curve measured at
-        256 positions priced rows ~0.6x of what they cost a short chat, whose verified drafts then lost to NTP."""
-        base = self.curve.base_s if self.curve is not None else None
-        loop = self.loop
-        if base is None or loop is None or not self.chains or loop.runs < LOOP_SAMPLES or loop.pass_s <= 0:
-            return 1.0
-        return min(max(base / loop.pass_s, ROW_SCALE_MIN), ROW_SCALE_MAX)
-
-    @property
-    def _priced(self) -> CostCurve:
-        """The cost curve as cost-aware ``verified`` prices rows now: :attr:`curve` with every row's cost times
-        :attr:`row_scale` (rounded to 0.05, so that its ranges stay memoised while the scale holds)."""
-        assert self.curve is not None, "cost-aware verification needs a cost curve"
-        scale = round(self.row_scale * 20) / 20
-        if scale == 1.0:
-            return self.curve
-        if self._scaled is None or self._scaled[0] != scale or self._scaled[1] is not self.curve:
-            self._scaled = (scale, self.curve, self.curve.scaled(scale))
-        return self._scaled[2]
 
     @property
     def _mask_share(self) -> float:

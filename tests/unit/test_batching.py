@@ -12,7 +12,6 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from agent_mtp.engine import DecodeConfig, MTPEngine
-from agent_mtp.engine import planner as planning
 from agent_mtp.engine.batching import BatchedEngine, PassTime, pass_time_curve, shared_pass_cost
 from agent_mtp.engine.cost import CostCurve
 from agent_mtp.engine.fast import FastRunner
@@ -503,9 +502,6 @@ def test_verified_runs_end_where_the_prompt_lookup_finds_a_draft(monkeypatch: py
         return real(self, first, steps, stop_ids, until)
 
     monkeypatch.setattr(FastRunner, "greedy_steps", counted)
-    # the runs' planner would also price the loop's measured overhead and rows at the passes' measured time, which
-    # the loop making every pass itself does not see: left out here, where the same decisions are the point
-    monkeypatch.setattr(planning, "LOOP_SAMPLES", 10**9)
     cfg = DecodeConfig(mode="verified", k_max=4, max_new_tokens=60, prefix_cache=False)
     drafted = 0
     for seed in range(4):
@@ -586,27 +582,3 @@ def test_the_two_segment_fit_is_linear_in_the_points_and_finds_each_knees_least_
             assert got[3] == expected[3], trial
             assert got[:3] == pytest.approx(expected[:3], rel=1e-6, abs=1e-9), trial
     assert found > 30
-
-
-def test_the_engine_measures_its_loops_overhead_on_greedy_verified_passes_alone(engine: MTPEngine) -> None:
-    """The planner's measure of what a pass of the loop's own costs beyond a greedy run's comes from greedy
-    ``verified`` generations alone: runs and passes of the loop's own (drafts from the repeated prompt) are timed;
-    sampled ones (no greedy runs) and batched ones (a shared pass's time is the batch's) leave it as it was."""
-    kept = engine.loop_overhead
-    prompt = _ids(12, 3) * 2
-    cfg = DecodeConfig(mode="verified", k_max=4, max_new_tokens=40, prefix_cache=False)
-    try:
-        engine.loop_overhead = greedy = planning.LoopOverhead()
-        engine.generate(prompt, cfg)
-        assert greedy.runs > 0 and greedy.loops > 0 and greedy.pass_s > 0 and greedy.loop_s > 0
-        engine.loop_overhead = sampled = planning.LoopOverhead()
-        engine.generate(prompt, cfg.replace(temperature=0.8, seed=1))
-        engine.generate(prompt, cfg.replace(mode="ntp"))
-        batched = BatchedEngine(engine)
-        try:
-            batched.generate(prompt, cfg)
-        finally:
-            batched.close()
-        assert (sampled.runs, sampled.loops) == (0, 0)
-    finally:
-        engine.loop_overhead = kept
