@@ -160,8 +160,7 @@ class Planner:
         pending and the prompt lookup has no match): they are then scored as :meth:`plan` scores them, not bounded
         by ``p_max``: the bound (a mask at FUTURE_CREDIT x its rate, 0.25 at the prior, against a 0.19 row) let
         passes of the loop's own through that then chose no mask, each ~0.3 ms of Python more than a greedy run's
-        pass (on a 2-core Emerald Rapids VM, without prompt lookup, the summary suite ran 0.90x NTP so, 1.01x
-        after)."""
+        pass."""
         if not self.cost_aware or self.curve is None or room <= 0:
             return None
         # an exploring pass: a plan of its own where it can afford masks; where rows are too dear for even one

@@ -673,7 +673,7 @@ def test_a_plain_run_stops_before_the_next_exploring_pass(monkeypatch: pytest.Mo
 def test_masks_alone_are_scored_as_the_plan_would_score_them() -> None:
     """Where only masks could be added (no draft pending, no lookup match), the hopeless test scores them as the
     plan does: the bound ``n * p_max`` said a mask worth 0.25 beats a 0.185 row and sent every such pass to the loop,
-    which then chose no mask (verified without prompt lookup ran 0.90x NTP on the summary suite so)."""
+    which then chose no mask."""
     curve = CostCurve(
         ((1, 1.0), (2, 1.34), (4, 2.08)),
         0.67,
