@@ -20,6 +20,7 @@ from agent_mtp.engine.cost import CURVE_POINTS, CostCurve, load_or_measure, meas
 from agent_mtp.engine.decode import DecodeSetup, decode
 from agent_mtp.engine.fast import FastModel, FastRunner, blockq, unsupported_reason
 from agent_mtp.engine.fast.model import SourceSignature
+from agent_mtp.engine.fast.weights import BLOCKS_EVERY_PASS
 from agent_mtp.engine.loading import DEFAULT_MODEL_ALIASES, LoadedModel, cache_root, load_model, prefix_cache_mb
 from agent_mtp.engine.planner import Planner, needs_cost_curve
 from agent_mtp.engine.prefix_cache import PrefixCache
@@ -436,7 +437,7 @@ class MTPEngine:
         # read after preparing the model, which settles the kernels' form (and the crossover) for the process
         kernels = "" if self.runtime == "hf" else f"-{blockq.kernel_tag() if self.block_weights else 'fp32'}"
         if rows is not None:
-            kernels += f"-r{rows}"  # the crossover the prepared model settled on
+            kernels += "-rall" if rows >= BLOCKS_EVERY_PASS else f"-r{rows}"  # the crossover the model settled on
         if self.runtime != "hf" and self.draft_masks == "exact":
             kernels += "-exactmasks"  # its mask_share is 1
         if self.runtime != "hf" and self.kv_cache == "fp16":

@@ -174,22 +174,24 @@ def test_weights_that_are_not_blocks_stay_float32() -> None:
     assert blockq.block_weights(torch.randn(16, 48)) is None  # in_features not a multiple of 32
 
 
-@pytest.mark.parametrize("out", [24, 72])  # 3 and 9 groups of 8 features: short lane tiles take 2-4 groups at once
+# 3, 5 and 9 groups of 8 features: short lane tiles take 2-4 groups at once, buffered passes 3 (and the last 1-2)
+@pytest.mark.parametrize("out", [24, 40, 72])
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kind: str, out: int) -> None:
     """Within each kernel class (row kernels below LANE_ROWS rows of their kind, lane kernels from there) a row's
     numbers are the same whatever the pass size and position (a lane tile of 2-5 rows multiplies several groups at
-    once, a longer one one group: the same bits); between the classes only the summation order differs."""
+    once, a longer one one group, passes of 16+ rows multiply weights rebuilt once into a buffer in tiles of 1-4
+    rows: the same bits); between the classes only the summation order differs."""
     blocks = blockq.block_weights((q4_1 if kind == "q4_1" else q8_0)(torch.randn(out, 128)))
     assert blocks is not None and blocks.kind == kind and blocks.lanes is not None
     lane = blockq.LANE_ROWS[kind]
-    x = torch.randn(19, 128)
+    x = torch.randn(42, 128)
     short = blocks(x[: lane - 1])
     for n in range(1, lane - 1):
         assert torch.equal(blocks(x[:n]), short[:n])
         assert torch.equal(blocks(x[n : n + 1]), short[n : n + 1])
     together = blocks(x)
-    for n in range(lane, 19):  # 1, 2 and 3 tiles of 4-8 rows
+    for n in range(lane, 42):  # 1, 2 and 3 tiles of 4-8 rows, then buffered passes of 4-11 tiles
         assert torch.equal(blocks(x[:n]), together[:n])
         assert torch.equal(blocks(x[n - lane + 1 : n + 1]), together[n - lane + 1 : n + 1])
     torch.testing.assert_close(together[: lane - 1], short, atol=2e-5, rtol=1e-5)
@@ -465,14 +467,14 @@ def test_avx512_passes_give_the_avx2_logits(monkeypatch: pytest.MonkeyPatch, ada
 
 def test_kernel_tag_names_the_avx512_forms() -> None:
     with blockq.avx512(True) as on:
-        assert blockq.kernel_tag() == ("blockq10-avx512" if on else "blockq10")
+        assert blockq.kernel_tag() == ("blockq11-avx512" if on else "blockq11")
     if on:
         with blockq.avx512(blockq.Wide.ROWS):
-            assert blockq.kernel_tag() == "blockq10-avx512rows" and blockq.avx512_forms() == blockq.Wide.ROWS
+            assert blockq.kernel_tag() == "blockq11-avx512rows" and blockq.avx512_forms() == blockq.Wide.ROWS
         with blockq.avx512(blockq.Wide.LANES):
-            assert blockq.kernel_tag() == "blockq10-avx512lanes" and blockq.avx512_active()
+            assert blockq.kernel_tag() == "blockq11-avx512lanes" and blockq.avx512_active()
     with blockq.avx512(False):
-        assert blockq.kernel_tag() == "blockq10" and not blockq.avx512_active()
+        assert blockq.kernel_tag() == "blockq11" and not blockq.avx512_active()
 
 
 @pytest.mark.parametrize(("value", "forms"), [("0", "0"), ("rows", "1"), ("LANES", "2")])
@@ -727,9 +729,9 @@ def _block_linears(count: int) -> list[Any]:
     return [PackedLinear(q4_1(torch.randn(64, 128)), prepack=False) for _ in range(count)]
 
 
-@pytest.mark.parametrize(("slow", "expected"), [("blocks", 1), ("dense", 31)])
+@pytest.mark.parametrize(("slow", "expected"), [("blocks", 1), ("dense", 1 << 30)])
 def test_crossover_measurement_picks_the_faster_path(monkeypatch: pytest.MonkeyPatch, slow: str, expected: int) -> None:
-    """Blocks that lose from 2 rows on keep 1 row; a float32 GEMM that always loses leaves every candidate to them."""
+    """Blocks that lose from 2 rows on keep 1 row; a float32 GEMM that always loses leaves every pass to them."""
     import time
 
     from agent_mtp.engine.fast import weights
@@ -744,7 +746,7 @@ def test_crossover_measurement_picks_the_faster_path(monkeypatch: pytest.MonkeyP
 
         monkeypatch.setattr(linear, f"{slow}_product", slowed)
     assert weights.measure_block_rows(linears, rounds=1) == expected
-    assert expected in (1, *weights.CROSSOVER_CANDIDATES)
+    assert expected in (1, weights.BLOCKS_EVERY_PASS)
 
 
 def test_one_noisy_loss_does_not_end_the_crossover_scan(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -767,6 +769,29 @@ def test_one_noisy_loss_does_not_end_the_crossover_scan(monkeypatch: pytest.Monk
     monkeypatch.setattr(linears[0], "blocks_product", sometimes_slow)
     monkeypatch.setattr(linears[0], "dense_product", slow)
     assert weights.measure_block_rows(linears, rounds=1) == 12
+
+
+def test_blocks_that_lost_once_keep_the_largest_candidate_they_won(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One loss (at 48 rows) does not end the scan, but the blocks then serve up to the last candidate, not every
+    pass: only blocks that never lost are trusted beyond what was measured."""
+    import time
+
+    from agent_mtp.engine.fast import weights
+
+    linears = _block_linears(1)
+    blocks, dense = linears[0].blocks_product, linears[0].dense_product
+
+    def once_slow(x: torch.Tensor, norm: Any = None) -> torch.Tensor:
+        time.sleep(0.006 if x.shape[0] == 48 else 0.0)
+        return blocks(x, norm)
+
+    def slow(x: torch.Tensor, norm: Any = None) -> torch.Tensor:
+        time.sleep(0.003)
+        return dense(x, norm)
+
+    monkeypatch.setattr(linears[0], "blocks_product", once_slow)
+    monkeypatch.setattr(linears[0], "dense_product", slow)
+    assert weights.measure_block_rows(linears, rounds=1) == weights.CROSSOVER_CANDIDATES[-1]
 
 
 def test_kernel_form_sample_holds_every_quantization_kind(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -826,7 +851,7 @@ def test_kernel_form_is_settled_once_per_process_unless_pinned(monkeypatch: pyte
         assert blockq.settle_avx512(measure(blockq.Wide.ROWS)) == blockq.Wide.ROWS
         assert blockq.avx512_forms() == blockq.Wide.ROWS
         assert blockq.settle_avx512(measure(blockq.Wide.NONE)) == blockq.Wide.ROWS and calls == [1]  # measured once
-        assert blockq.kernel_tag() == "blockq10-avx512rows"
+        assert blockq.kernel_tag() == "blockq11-avx512rows"
         monkeypatch.setattr(blockq, "_settled", [])
         monkeypatch.setenv(blockq.AVX512_ENV, "1")
         with blockq.avx512(True):
@@ -899,7 +924,7 @@ def same_bits_however_the_threads_split(compute: Callable[[], torch.Tensor]) -> 
 def test_products_do_not_depend_on_how_the_threads_split_the_tasks(kind: str) -> None:
     blocks = blockq.block_weights({"q4_1": q4_1, "q8_0": q8_0}[kind](torch.randn(520, 256)))
     assert blocks is not None
-    for rows in (1, 3, 9):  # row kernels, lane kernels
+    for rows in (1, 3, 9, 23):  # row kernels, lane kernels, a buffered lane pass
         x = torch.randn(rows, 256)
         same_bits_however_the_threads_split(lambda x=x: blocks(x))
 

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from agent_mtp.engine.fast import blockq
 from agent_mtp.engine.fast.cache import KVCache
 from agent_mtp.engine.fast.weights import (
+    BLOCKS_EVERY_PASS,
     CROSSOVER_BYTES,
     WEIGHT_DTYPES,
     MaskRuns,
@@ -286,7 +287,8 @@ class FastModel:
             blockq.settle_tile_rows(lambda: measure_tile_rows(linears))
         if rows is None and large:
             rows = measure_block_rows(linears)
-            log.info("Block weights serve passes of up to %d rows here (measured against the float32 GEMM)", rows)
+            reach = "every pass" if rows >= BLOCKS_EVERY_PASS else f"passes of up to {rows} rows"
+            log.info("Block weights serve %s here (measured against the float32 GEMM)", reach)
         rows = blockq.MAX_ROWS if rows is None else rows
         for linear in linears:
             linear.block_rows = rows

@@ -156,13 +156,14 @@ class PackedLinear:
         return y.add_(self.bias) if self.bias is not None else y
 
 
-CROSSOVER_CANDIDATES = (2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 31)
-"""Row counts at which :func:`measure_block_rows` compares the two weight paths (31: attention of longer passes
-switches to SDPA)."""
-TILE_CROSSOVER_CANDIDATES = (*CROSSOVER_CANDIDATES, 48, 64, 96, 128, 192, 256)
-"""The candidates where block passes multiply tile records (AMX tiles or VNNI, :func:`blockq.records_active`): there
-the blocks beat the float32 GEMM up to a few hundred rows on AMX (batched passes of many sequences), so the scan goes
-on past 31."""
+CROSSOVER_CANDIDATES = (2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 31, 48, 64, 96, 128, 192, 256)
+"""Row counts at which :func:`measure_block_rows` compares the two weight paths. The blocks can beat the float32 GEMM
+up to a few hundred rows (a prefill, a batch of many sequences): on AMX their passes multiply tile records, on AVX2
+passes of 16+ rows multiply weights rebuilt once into a buffer at what the multiply-add pipes allow (Zen 3: blocks
+ahead at every candidate, 256 rows 45.9 against 54.9 ms)."""
+BLOCKS_EVERY_PASS = 1 << 30
+"""The crossover where the blocks won at every candidate: every pass reads them (their speed per row is flat from a
+few tens of rows on, as the GEMM's is)."""
 CROSSOVER_BYTES = 64 << 20
 """Float32 bytes of weights a crossover measurement multiplies per round: past every CPU cache, as in a real pass."""
 
@@ -327,7 +328,7 @@ def _best_split(sizes: Sequence[int], on_tiles: Sequence[float], on_vnni: Sequen
 def measure_block_rows(linears: Sequence[PackedLinear], *, rounds: int = 3) -> int:
     """The largest of :data:`CROSSOVER_CANDIDATES` at which reading the blocks is at least as fast as the float32
     GEMM, scanning upwards until the blocks lose at two candidates in a row (one noisy loss does not end the scan);
-    1 if they lose at 2 and 3 rows.
+    1 if they lose at 2 and 3 rows; :data:`BLOCKS_EVERY_PASS` if they lost at none.
 
     Each round multiplies random rows by ``linears`` in turn until :data:`CROSSOVER_BYTES` of float32 weights have
     been read (they stream from memory, as in a pass), on both paths alternately; the fastest of ``rounds`` counts.
@@ -335,7 +336,7 @@ def measure_block_rows(linears: Sequence[PackedLinear], *, rounds: int = 3) -> i
     chosen = _crossover_sample(linears)
     if not chosen:
         return blockq.MAX_ROWS
-    inputs = _random_inputs(chosen, max(TILE_CROSSOVER_CANDIDATES))
+    inputs = _random_inputs(chosen, max(CROSSOVER_CANDIDATES))
 
     def timed(blocks: bool, rows: int) -> float:
         start = time.perf_counter()
@@ -349,19 +350,20 @@ def measure_block_rows(linears: Sequence[PackedLinear], *, rounds: int = 3) -> i
 
     timed(True, 1)  # warm-up: first-touch pages, oneDNN primitives
     timed(False, 1)
-    best, losses = 1, 0
-    for rows in TILE_CROSSOVER_CANDIDATES if blockq.records_active() else CROSSOVER_CANDIDATES:
+    best, losses, lost = 1, 0, False
+    for rows in CROSSOVER_CANDIDATES:
         on_blocks = on_dense = math.inf
         for _ in range(rounds):
             on_blocks = min(on_blocks, timed(True, rows))
             on_dense = min(on_dense, timed(False, rows))
         log.debug("crossover: %d rows, blocks %.2f ms, float32 %.2f ms", rows, 1e3 * on_blocks, 1e3 * on_dense)
         losses = losses + 1 if on_blocks > on_dense else 0
+        lost = lost or losses > 0
         if losses == 2:
             break
         if not losses:
             best = rows
-    return best
+    return BLOCKS_EVERY_PASS if not lost else best
 
 
 LowRankFactors = tuple[torch.Tensor, torch.Tensor]
