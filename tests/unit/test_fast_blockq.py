@@ -749,8 +749,8 @@ def test_crossover_measurement_picks_the_faster_path(monkeypatch: pytest.MonkeyP
     assert expected in (1, weights.BLOCKS_EVERY_PASS)
 
 
-def test_one_noisy_loss_does_not_end_the_crossover_scan(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Blocks that lose only at 5 rows (a noise spike) and from 16 rows on: the scan goes past 5 and stops at 12."""
+def _crossover_with_blocks_delayed(monkeypatch: pytest.MonkeyPatch, delay: Callable[[int], float]) -> int:
+    """The crossover measured on a float32 GEMM slowed by 3 ms a call and blocks slowed by ``delay(rows)`` s."""
     import time
 
     from agent_mtp.engine.fast import weights
@@ -758,40 +758,31 @@ def test_one_noisy_loss_does_not_end_the_crossover_scan(monkeypatch: pytest.Monk
     linears = _block_linears(1)
     blocks, dense = linears[0].blocks_product, linears[0].dense_product
 
-    def sometimes_slow(x: torch.Tensor, norm: Any = None) -> torch.Tensor:
-        time.sleep(0.006 if x.shape[0] == 5 or x.shape[0] >= 16 else 0.0)
+    def delayed(x: torch.Tensor, norm: Any = None) -> torch.Tensor:
+        time.sleep(delay(x.shape[0]))
         return blocks(x, norm)
 
     def slow(x: torch.Tensor, norm: Any = None) -> torch.Tensor:
         time.sleep(0.003)
         return dense(x, norm)
 
-    monkeypatch.setattr(linears[0], "blocks_product", sometimes_slow)
+    monkeypatch.setattr(linears[0], "blocks_product", delayed)
     monkeypatch.setattr(linears[0], "dense_product", slow)
-    assert weights.measure_block_rows(linears, rounds=1) == 12
+    return weights.measure_block_rows(linears, rounds=1)
+
+
+def test_one_noisy_loss_does_not_end_the_crossover_scan(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Blocks that lose only at 5 rows (a noise spike) and from 16 rows on: the scan goes past 5 and stops at 12."""
+    assert _crossover_with_blocks_delayed(monkeypatch, lambda rows: 0.006 if rows == 5 or rows >= 16 else 0.0) == 12
 
 
 def test_blocks_that_lost_once_keep_the_largest_candidate_they_won(monkeypatch: pytest.MonkeyPatch) -> None:
     """One loss (at 48 rows) does not end the scan, but the blocks then serve up to the last candidate, not every
     pass: only blocks that never lost are trusted beyond what was measured."""
-    import time
-
     from agent_mtp.engine.fast import weights
 
-    linears = _block_linears(1)
-    blocks, dense = linears[0].blocks_product, linears[0].dense_product
-
-    def once_slow(x: torch.Tensor, norm: Any = None) -> torch.Tensor:
-        time.sleep(0.006 if x.shape[0] == 48 else 0.0)
-        return blocks(x, norm)
-
-    def slow(x: torch.Tensor, norm: Any = None) -> torch.Tensor:
-        time.sleep(0.003)
-        return dense(x, norm)
-
-    monkeypatch.setattr(linears[0], "blocks_product", once_slow)
-    monkeypatch.setattr(linears[0], "dense_product", slow)
-    assert weights.measure_block_rows(linears, rounds=1) == weights.CROSSOVER_CANDIDATES[-1]
+    last = weights.CROSSOVER_CANDIDATES[-1]
+    assert _crossover_with_blocks_delayed(monkeypatch, lambda rows: 0.006 if rows == 48 else 0.0) == last
 
 
 def test_kernel_form_sample_holds_every_quantization_kind(monkeypatch: pytest.MonkeyPatch) -> None:
