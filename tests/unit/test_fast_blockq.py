@@ -864,6 +864,28 @@ def test_crossover_can_be_pinned(monkeypatch: pytest.MonkeyPatch) -> None:
         FastModel.from_hf(engine.model, mask_token_id=engine.mask_token_id)
 
 
+def test_blocks_serving_every_pass_release_the_float32_copies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the blocks serve every pass, the float32 copies are dropped and long passes (a 40-token prompt, the
+    Python layer loop) read the blocks, as close to the float32 GEMM as short passes are, masks and adapter included;
+    a call that would read the released copy names what happened."""
+    from agent_mtp.engine.fast import weights
+
+    engine = _engine("plain-llama", adapter=True)
+    dense = FastModel.from_hf(engine.model, mask_token_id=engine.mask_token_id, blocks=False)
+    monkeypatch.setenv(blockq.ROWS_ENV, str(weights.BLOCKS_EVERY_PASS))
+    fast = FastModel.from_hf(engine.model, mask_token_id=engine.mask_token_id)
+    linears = [p.linear for layer in fast.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    assert all(x.dense_released and x.weight.numel() == 0 and x.reads_blocks(10_000) for x in linears)
+    assert fast.lm_head.dense_released and linears[0].release_dense() == 0  # released once
+    with pytest.raises(RuntimeError, match="float32 weights were released"):
+        linears[0].dense_product(torch.randn(2, linears[0].in_features))
+    ids = _random_ids(40, seed=3)
+    cf, cd = fast.new_cache(), dense.new_cache()
+    torch.testing.assert_close(fast.forward(ids, cf, 40), dense.forward(ids, cd, 40), atol=1e-4, rtol=1e-4)
+    tail = [5, engine.mask_token_id, 7, engine.mask_token_id] * 9  # 36 rows with masks: the adapter's delta
+    torch.testing.assert_close(fast.forward(tail, cf, 36), dense.forward(tail, cd, 36), atol=1e-4, rtol=1e-4)
+
+
 def _fused_off(model: FastModel) -> FastModel:
     import copy
 

@@ -12,6 +12,7 @@ and logits are computed only for the last ``keep`` rows (the rows the decoder re
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import math
 import threading
@@ -292,6 +293,10 @@ class FastModel:
         rows = blockq.MAX_ROWS if rows is None else rows
         for linear in linears:
             linear.block_rows = rows
+        if rows >= BLOCKS_EVERY_PASS:  # no pass reads the float32 copies: release them (~0.5 GB, default model)
+            released = sum(linear.release_dense() for linear in linears)
+            _return_freed_memory()
+            log.info("Released %.0f MB of float32 weights that no pass reads", released / 2**20)
         return rows
 
     def new_cache(self, capacity: int = 256) -> KVCache:
@@ -550,6 +555,17 @@ class FastModel:
             allowed = torch.arange(start + n)[None, :] <= (start + torch.arange(n))[:, None]  # [n, end]
             out = F.scaled_dot_product_attention(q4, keys, values, attn_mask=allowed, enable_gqa=True)
         return out[0].transpose(0, 1).reshape(n, self.q_dim)
+
+
+def _return_freed_memory() -> None:
+    """Hand freed heap pages back to the operating system where the C library is glibc: it keeps them otherwise
+    (default model on Zen 3: resident memory 2.00 GB with the float32 copies, 1.75 GB after releasing them, 1.38 GB
+    after this)."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return
+    trim(0)
 
 
 def _fused_weights(layers: Sequence[_Layer]) -> list[torch.Tensor] | None:

@@ -94,6 +94,9 @@ class PackedLinear:
         self.weight = packed if packed is not None else dense
         self.block_rows = blockq.MAX_ROWS
         """Passes of up to this many rows read the blocks (the fast model sets its measured crossover)."""
+        self._dense_bytes = self.out_features * self.in_features * self.weight.element_size()
+        self.dense_released = False
+        """Whether :meth:`release_dense` dropped the float32 copy (every pass reads the blocks)."""
 
     def reads_blocks(self, rows: int) -> bool:
         """Whether a pass of ``rows`` rows reads the quantization blocks (else the float32 weights)."""
@@ -101,7 +104,19 @@ class PackedLinear:
 
     def nbytes(self) -> int:
         """Bytes of the float32 (or bfloat16) weights a float32 GEMM pass reads."""
-        return self.out_features * self.in_features * self.weight.element_size()
+        return self._dense_bytes
+
+    def release_dense(self) -> int:
+        """Serve every pass from the blocks and drop the float32 (pre-packed) weights, where the blocks won at every
+        row count measured (:data:`BLOCKS_EVERY_PASS`); returns the bytes of the copy this linear held (0 without
+        blocks, or where it shared the model's own tensor, which the model keeps)."""
+        if self.blocks is None or self.dense_released:
+            return 0
+        owned = self.packed or self.extra_rows is not None  # a pre-packed copy, or the weights joined with extra rows
+        self.block_rows = BLOCKS_EVERY_PASS
+        self.weight = self.weight.new_empty(0)
+        self.dense_released = True
+        return self._dense_bytes if owned else 0
 
     def add_into(
         self, residual: torch.Tensor, x: torch.Tensor, coarse: Sequence[int] = (), *, grid_bits: int = 24
@@ -142,6 +157,12 @@ class PackedLinear:
 
     def dense_product(self, x: torch.Tensor, norm: blockq.Norm | None = None) -> torch.Tensor:
         """:meth:`__call__` on the float32 (or bfloat16) weights, whatever the number of rows."""
+        if self.dense_released:
+            msg = (
+                "This linear's float32 weights were released (its blocks serve every pass); call blocks_product, "
+                "or prepare the model with blocks=False for a float32-only runtime."
+            )
+            raise RuntimeError(msg)
         if norm is not None:
             x = F.rms_norm(x, (x.shape[-1],), norm[0], norm[1])
         if self.dtype == torch.float32:
