@@ -182,6 +182,8 @@ CROSSOVER_CANDIDATES = (2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 31, 48, 64, 96, 12
 up to a few hundred rows (a prefill, a batch of many sequences): on AMX their passes multiply tile records, on AVX2
 passes of 16+ rows multiply weights rebuilt once into a buffer at what the multiply-add pipes allow (Zen 3: blocks
 ahead at every candidate, 256 rows 45.9 against 54.9 ms)."""
+LONG_PASS_ROWS = 48
+"""Candidates from here on are timed once per path (their passes are long enough not to need the fastest of three)."""
 BLOCKS_EVERY_PASS = 1 << 30
 """The crossover where the blocks won at every candidate: every pass reads them (their speed per row is flat from a
 few tens of rows on, as the GEMM's is)."""
@@ -374,7 +376,9 @@ def measure_block_rows(linears: Sequence[PackedLinear], *, rounds: int = 3) -> i
     best, losses, lost = 1, 0, False
     for rows in CROSSOVER_CANDIDATES:
         on_blocks = on_dense = math.inf
-        for _ in range(rounds):
+        # passes of 48+ rows take 10-50 ms on each path here, past the timer's noise: one round each (the scan took
+        # 1.7 s instead of 0.6 with three on Zen 3)
+        for _ in range(rounds if rows < LONG_PASS_ROWS else 1):
             on_blocks = min(on_blocks, timed(True, rows))
             on_dense = min(on_dense, timed(False, rows))
         log.debug("crossover: %d rows, blocks %.2f ms, float32 %.2f ms", rows, 1e3 * on_blocks, 1e3 * on_dense)
