@@ -785,6 +785,26 @@ def test_blocks_that_lost_once_keep_the_largest_candidate_they_won(monkeypatch: 
     assert _crossover_with_blocks_delayed(monkeypatch, lambda rows: 0.006 if rows == 48 else 0.0) == last
 
 
+def test_long_crossover_candidates_are_timed_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three rounds per path below LONG_PASS_ROWS rows, one from there (long passes are past the timer's noise)."""
+    import time
+    from collections import Counter
+
+    from agent_mtp.engine.fast import weights
+
+    linears = _block_linears(1)
+    blocks, seen = linears[0].blocks_product, Counter[int]()
+
+    def counted(x: torch.Tensor, norm: Any = None) -> torch.Tensor:
+        seen[x.shape[0]] += 1
+        return blocks(x, norm)
+
+    monkeypatch.setattr(linears[0], "blocks_product", counted)
+    monkeypatch.setattr(linears[0], "dense_product", lambda x, norm=None: time.sleep(0.001) or blocks(x, norm))
+    assert weights.measure_block_rows(linears, rounds=3) == weights.BLOCKS_EVERY_PASS
+    assert all(seen[r] == (3 if r < weights.LONG_PASS_ROWS else 1) for r in weights.CROSSOVER_CANDIDATES)
+
+
 def test_kernel_form_sample_holds_every_quantization_kind(monkeypatch: pytest.MonkeyPatch) -> None:
     """The form measurement times the Q8_0 output head beside the Q4_1 layers (their lane kernels differ: on Zen 4
     one form of the Q8_0 kernel ran 2x slower than the other while the Q4_1 layers' forms were even), and reads past
