@@ -723,6 +723,45 @@ def test_fast_model_attends_with_the_kernel_and_batches_give_single_numbers(engi
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
+def test_prefills_attend_in_the_kernel_as_sdpa_would(engine: MTPEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 70-token prefill and a 40-row pass on it attend in the C++ kernel (SDPA is not called), with the logits of
+    the ATen path (SDPA) and of HF."""
+    import copy
+
+    fast = FastModel.from_hf(engine.model, mask_token_id=engine.mask_token_id)
+    aten = copy.copy(fast)
+    aten._attend_kernel = False
+    ids, more = _random_ids(70, seed=5), _random_ids(40, seed=6)
+    ca, cb = aten.new_cache(), fast.new_cache()
+    expected = [aten.forward(ids, ca, 70), aten.forward(more, ca, 40)]
+
+    def no_sdpa(*args: Any) -> torch.Tensor:
+        raise AssertionError("SDPA ran where the attention kernel should have")
+
+    monkeypatch.setattr(fast, "_attend_sdpa", no_sdpa)
+    torch.testing.assert_close(fast.forward(ids, cb, 70), expected[0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(fast.forward(more, cb, 40), expected[1], atol=1e-4, rtol=1e-4)
+    hf = engine.model(input_ids=torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(expected[0], hf, atol=1e-4, rtol=1e-4)
+
+
+def test_long_prefills_take_the_fused_pass_where_blocks_serve_every_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the blocks serving every pass, a 36-token prefill (past the old 32-row SDPA limit) runs the one-call
+    fused pass, not the Python layer loop, with HF's logits."""
+    engine = _engine("plain-llama", adapter=False)
+    monkeypatch.setenv(blockq.ROWS_ENV, str(1 << 30))
+    fast = FastModel.from_hf(engine.model, mask_token_id=engine.mask_token_id)
+    assert fast._fused is not None
+
+    def no_loop(*args: Any) -> None:
+        raise AssertionError("the Python layer loop ran where the fused pass should have")
+
+    monkeypatch.setattr(fast, "_layer", no_loop)
+    ids = _random_ids(36, seed=5)
+    hf = engine.model(input_ids=torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(fast.forward(ids, fast.new_cache(), 36), hf, atol=1e-4, rtol=1e-4)
+
+
 def _block_linears(count: int) -> list[Any]:
     from agent_mtp.engine.fast.weights import PackedLinear
 
