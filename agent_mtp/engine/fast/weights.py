@@ -377,7 +377,7 @@ def measure_block_rows(linears: Sequence[PackedLinear], *, rounds: int = 3) -> i
     for rows in CROSSOVER_CANDIDATES:
         on_blocks = on_dense = math.inf
         # passes of 48+ rows take 10-50 ms on each path here, past the timer's noise: one round each (the scan took
-        # 1.7 s instead of 0.6 with three on Zen 3)
+        # 0.8 s instead of 1.4 with three on Zen 3)
         for _ in range(rounds if rows < LONG_PASS_ROWS else 1):
             on_blocks = min(on_blocks, timed(True, rows))
             on_dense = min(on_dense, timed(False, rows))
