@@ -180,7 +180,7 @@ def test_weights_that_are_not_blocks_stay_float32() -> None:
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kind: str, out: int) -> None:
     """Within each kernel class (row kernels below LANE_ROWS rows of their kind, lane kernels from there) a row's
     numbers are the same whatever the pass size and position (a lane tile of 2-5 rows multiplies several groups at
-    once, a longer one one group, passes of 16+ rows multiply weights rebuilt once into a buffer in tiles of 1-4
+    once, a longer one one group, passes of 9+ rows multiply weights rebuilt once into a buffer in tiles of 1-4
     rows: the same bits); between the classes only the summation order differs."""
     blocks = blockq.block_weights((q4_1 if kind == "q4_1" else q8_0)(torch.randn(out, 128)))
     assert blocks is not None and blocks.kind == kind and blocks.lanes is not None
@@ -191,7 +191,7 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kind: str, out: int
         assert torch.equal(blocks(x[:n]), short[:n])
         assert torch.equal(blocks(x[n : n + 1]), short[n : n + 1])
     together = blocks(x)
-    for n in range(lane, 42):  # 1, 2 and 3 tiles of 4-8 rows, then buffered passes of 4-11 tiles
+    for n in range(lane, 42):  # lane tiles up to 8 rows, then buffered passes (9+ rows) of 3-11 tiles
         assert torch.equal(blocks(x[:n]), together[:n])
         assert torch.equal(blocks(x[n - lane + 1 : n + 1]), together[n - lane + 1 : n + 1])
     torch.testing.assert_close(together[: lane - 1], short, atol=2e-5, rtol=1e-5)
@@ -467,14 +467,14 @@ def test_avx512_passes_give_the_avx2_logits(monkeypatch: pytest.MonkeyPatch, ada
 
 def test_kernel_tag_names_the_avx512_forms() -> None:
     with blockq.avx512(True) as on:
-        assert blockq.kernel_tag() == ("blockq11-avx512" if on else "blockq11")
+        assert blockq.kernel_tag() == ("blockq12-avx512" if on else "blockq12")
     if on:
         with blockq.avx512(blockq.Wide.ROWS):
-            assert blockq.kernel_tag() == "blockq11-avx512rows" and blockq.avx512_forms() == blockq.Wide.ROWS
+            assert blockq.kernel_tag() == "blockq12-avx512rows" and blockq.avx512_forms() == blockq.Wide.ROWS
         with blockq.avx512(blockq.Wide.LANES):
-            assert blockq.kernel_tag() == "blockq11-avx512lanes" and blockq.avx512_active()
+            assert blockq.kernel_tag() == "blockq12-avx512lanes" and blockq.avx512_active()
     with blockq.avx512(False):
-        assert blockq.kernel_tag() == "blockq11" and not blockq.avx512_active()
+        assert blockq.kernel_tag() == "blockq12" and not blockq.avx512_active()
 
 
 @pytest.mark.parametrize(("value", "forms"), [("0", "0"), ("rows", "1"), ("LANES", "2")])
@@ -901,7 +901,7 @@ def test_kernel_form_is_settled_once_per_process_unless_pinned(monkeypatch: pyte
         assert blockq.settle_avx512(measure(blockq.Wide.ROWS)) == blockq.Wide.ROWS
         assert blockq.avx512_forms() == blockq.Wide.ROWS
         assert blockq.settle_avx512(measure(blockq.Wide.NONE)) == blockq.Wide.ROWS and calls == [1]  # measured once
-        assert blockq.kernel_tag() == "blockq11-avx512rows"
+        assert blockq.kernel_tag() == "blockq12-avx512rows"
         monkeypatch.setattr(blockq, "_settled", [])
         monkeypatch.setenv(blockq.AVX512_ENV, "1")
         with blockq.avx512(True):
@@ -996,7 +996,7 @@ def same_bits_however_the_threads_split(compute: Callable[[], torch.Tensor]) -> 
 def test_products_do_not_depend_on_how_the_threads_split_the_tasks(kind: str) -> None:
     blocks = blockq.block_weights({"q4_1": q4_1, "q8_0": q8_0}[kind](torch.randn(520, 256)))
     assert blocks is not None
-    for rows in (1, 3, 9, 23):  # row kernels, lane kernels, a buffered lane pass
+    for rows in (1, 3, 6, 9, 23):  # row kernels, lane kernels (6; Q8_0 from 2), buffered lane passes (9+)
         x = torch.randn(rows, 256)
         same_bits_however_the_threads_split(lambda x=x: blocks(x))
 

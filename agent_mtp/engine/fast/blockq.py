@@ -429,10 +429,11 @@ def kernel_tag() -> str:
     # streams scale each row's sums in registers and read Q4_1's a0 bytes inside the products (faster passes); vnni3:
     # their rows unrolled, each sum in two registers; 9: the AVX2 lane kernels rebuild a position's weights one
     # position ahead (cheaper passes of 5+ rows); 10: their tiles of 2-5 rows take 2-4 groups at once (the output
-    # head of 2-4-row passes ~1.3-1.5x faster); 11: AVX2 passes of 16+ rows multiply weights rebuilt once per task
+    # head of 2-4-row passes ~1.3-1.5x faster); 11: AVX2 passes of 16+ rows multiply weights rebuilt once per task;
+    # 12: from 9 rows (a tie on Zen 3, 0.75x the time at 10-12 rows on Zen 1)
     forms = avx512_forms()
-    tag = {Wide.NONE: "blockq11", Wide.ALL: "blockq11-avx512"}.get(
-        forms, f"blockq11-avx512{(forms.name or '').lower()}"
+    tag = {Wide.NONE: "blockq12", Wide.ALL: "blockq12-avx512"}.get(
+        forms, f"blockq12-avx512{(forms.name or '').lower()}"
     )
     return f"{tag}-vnni3" if vnni_active() else tag
 

@@ -180,7 +180,7 @@ class PackedLinear:
 CROSSOVER_CANDIDATES = (2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 31, 48, 64, 96, 128, 192, 256)
 """Row counts at which :func:`measure_block_rows` compares the two weight paths. The blocks can beat the float32 GEMM
 up to a few hundred rows (a prefill, a batch of many sequences): on AMX their passes multiply tile records, on AVX2
-passes of 16+ rows multiply weights rebuilt once into a buffer at what the multiply-add pipes allow (Zen 3: blocks
+passes of 9+ rows multiply weights rebuilt once into a buffer at what the multiply-add pipes allow (Zen 3: blocks
 ahead at every candidate, 256 rows 45.9 against 54.9 ms)."""
 LONG_PASS_ROWS = 48
 """Candidates from here on are timed once per path (their passes are long enough not to need the fastest of three)."""

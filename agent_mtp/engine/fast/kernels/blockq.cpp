@@ -369,8 +369,10 @@ inline int64_t lane_task_groups(int64_t rows) {
 // broadcast per 3. Each output is still one chain over k in order with the same operations: the same bits as
 // lanes_kernel. Zen 3, one thread, gate/up's shape (3072 x 576), GMAC/s in tiles against buffered: 8 rows 34 / 29,
 // 16 rows 35 / 37, 32 rows 35 / 43, 128 rows 34 / 47 (what the two multiply-add pipes allow); the rebuild on its own
-// costs ~2 cycles per 8 weights, hence tiles below 16 rows.
-constexpr int64_t kBufferedRows = 16;
+// costs ~2 cycles per 8 weights, hence tiles below 9 rows. From 9 rows: whole passes there were a tie on Zen 3
+// (0.98-1.01x, 9-15 rows), and on Zen 1 (128-bit FMA pipes, where a tile's broadcasts and rebuilds weigh more) 0.75x
+// the time at 10 and 12 rows (66.8 / 75.5 against 88.8 / 102.0 ms, 2 threads, alternated twice), 0.90x at 8 rows.
+constexpr int64_t kBufferedRows = 9;
 constexpr int kBufferedGroups = 3, kBufferedTile = 4;
 
 // The weights of ``count`` adjacent groups (lanes, scales and minimums ``lane_stride`` / ``scale_stride`` apart) as
