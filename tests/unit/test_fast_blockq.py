@@ -466,7 +466,7 @@ def test_avx512_passes_give_the_avx2_logits(monkeypatch: pytest.MonkeyPatch, ada
 
 
 def test_kernel_tag_names_the_avx512_forms() -> None:
-    with blockq.avx512(True) as on:
+    with blockq.buffered_from(blockq.BUFFERED_ROWS), blockq.avx512(True) as on:
         assert blockq.kernel_tag() == ("blockq12-avx512" if on else "blockq12")
     if on:
         with blockq.avx512(blockq.Wide.ROWS):
@@ -788,6 +788,63 @@ def test_crossover_measurement_picks_the_faster_path(monkeypatch: pytest.MonkeyP
     assert expected in (1, weights.BLOCKS_EVERY_PASS)
 
 
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_buffered_lane_passes_from_any_row_count_give_the_same_bits(kind: str) -> None:
+    """Where AVX2 lane passes start buffering (5 rows on some machines, 9 on others) moves no bit: every pass size
+    of a lane pass gives the same numbers in tiles and buffered; the kernel tag names a moved threshold."""
+    blocks = blockq.block_weights((q4_1 if kind == "q4_1" else q8_0)(torch.randn(48, 256)))
+    assert blocks is not None
+    x = torch.randn(13, 256)
+    with blockq.avx_kernels(), blockq.avx512(False):  # the AVX2 lane kernels (no AMX / VNNI records)
+        with blockq.buffered_from(1000):  # lane tiles for every lane pass
+            tiles = [blocks(x[:n]) for n in range(blockq.LANE_ROWS[kind], 14)]
+        with blockq.buffered_from(1) as rows:  # buffered for every lane pass
+            assert blockq.buffered_rows() == rows == 1 and blockq.kernel_tag().endswith("-b1")
+            buffered = [blocks(x[:n]) for n in range(blockq.LANE_ROWS[kind], 14)]
+        with blockq.buffered_from(blockq.BUFFERED_ROWS):
+            assert "-b" not in blockq.kernel_tag()
+    assert all(torch.equal(a, b) for a, b in zip(tiles, buffered, strict=True))
+    with pytest.raises(ConfigError, match="rows=0"):
+        blockq.buffered_from(0).__enter__()
+    with pytest.raises(RuntimeError, match="buffered_rows takes"):
+        torch.ops.agent_mtp_blockq.buffered_rows(0)
+
+
+@pytest.mark.parametrize("buffered_faster", [True, False])
+def test_the_buffered_threshold_is_the_faster_path_measured_once(
+    monkeypatch: pytest.MonkeyPatch, buffered_faster: bool
+) -> None:
+    """measure_buffered_rows keeps the path that multiplies 6- and 8-row passes faster (buffered: from 5 rows, lane
+    tiles: from 9), and settle_buffered_rows applies it once per process."""
+    import time
+
+    from agent_mtp.engine.fast import weights
+
+    linears = _block_linears(2)
+    for linear in linears:
+        product = linear.blocks_product
+
+        def delayed(x: torch.Tensor, norm: Any = None, product: Any = product) -> torch.Tensor:
+            buffered = x.shape[0] >= blockq.buffered_rows()
+            time.sleep(0.004 if buffered != buffered_faster else 0.0)
+            return product(x, norm)
+
+        monkeypatch.setattr(linear, "blocks_product", delayed)
+    expected = blockq.BUFFERED_LOW_ROWS if buffered_faster else blockq.BUFFERED_ROWS
+    # the AVX2 lane kernels; buffered_from restores the process's threshold afterwards
+    with blockq.avx_kernels(), blockq.avx512(False), blockq.buffered_from(blockq.buffered_rows()):
+        assert weights.measure_buffered_rows(linears, rounds=1) == expected
+        monkeypatch.setattr(blockq, "_buffered_settled", [])
+        calls: list[int] = []
+
+        def measure() -> int:
+            calls.append(1)
+            return expected
+
+        assert blockq.settle_buffered_rows(measure) == expected == blockq.buffered_rows()
+        assert blockq.settle_buffered_rows(lambda: 7) == expected and calls == [1]  # measured once
+
+
 def _crossover_with_blocks_delayed(monkeypatch: pytest.MonkeyPatch, delay: Callable[[int], float]) -> int:
     """The crossover measured on a float32 GEMM slowed by 3 ms a call and blocks slowed by ``delay(rows)`` s."""
     import time
@@ -901,7 +958,8 @@ def test_kernel_form_is_settled_once_per_process_unless_pinned(monkeypatch: pyte
         assert blockq.settle_avx512(measure(blockq.Wide.ROWS)) == blockq.Wide.ROWS
         assert blockq.avx512_forms() == blockq.Wide.ROWS
         assert blockq.settle_avx512(measure(blockq.Wide.NONE)) == blockq.Wide.ROWS and calls == [1]  # measured once
-        assert blockq.kernel_tag() == "blockq12-avx512rows"
+        with blockq.buffered_from(blockq.BUFFERED_ROWS):
+            assert blockq.kernel_tag() == "blockq12-avx512rows"
         monkeypatch.setattr(blockq, "_settled", [])
         monkeypatch.setenv(blockq.AVX512_ENV, "1")
         with blockq.avx512(True):

@@ -89,6 +89,13 @@ ones on VNNI where the CPU has it too, :data:`AMX_ROWS_ENV`; :func:`tiles_active
 VNNI_ENV = "AGENT_MTP_VNNI"
 """Set to 0 to keep the AVX kernels on a CPU with AVX-512 VNNI but no AMX (unset or 1: every block pass multiplies the
 tile records with VNNI's byte products, :func:`vnni_active`: the tiles' numbers)."""
+BUFFERED_ROWS = 9
+"""AVX2 lane passes of this many rows or more multiply weights rebuilt once per task into a buffer, shorter ones in
+lane tiles that rebuild them per tile (``g_buffered_rows`` in kernels/blockq.cpp; the same bits either way). From 9
+rows the buffered path was as fast (Zen 3) or faster (Zen 1: 0.75x the pass time at 10-12 rows) on every machine
+measured; at 5-8 rows it depends on the machine, so :func:`settle_buffered_rows` measures it once per process."""
+BUFFERED_LOW_ROWS = 5
+"""Where buffered passes were the faster at 5-8 rows, they serve from here (the lane kernels' first pass size)."""
 VNNI_TAIL_ROWS = 2
 """Where AMX and VNNI are both on, an exact tile pass's last chunk of at most this many rows runs on VNNI beside the
 tiles' full chunks of 8 (``g_tail_rows`` in kernels/blockq.cpp; :func:`vnni_tail`). A tile chunk costs about the
@@ -207,6 +214,46 @@ def settle_avx512(measure: Callable[[], Wide]) -> Wide:
                 log.info("Block kernels: AVX-512 forms for %s (the faster here)", _forms_name(avx512_forms()))
             _settled.append(avx512_forms())
         return _settled[0]
+
+
+_buffered_settled: list[int] = []
+
+
+def settle_buffered_rows(measure: Callable[[], int]) -> int:
+    """From how many rows AVX2 lane passes take the buffered path in this process: ``measure()`` decides once, the
+    first time a model large enough to time is prepared (:data:`BUFFERED_ROWS` until then, and where the kernels are
+    not loaded). Returns the threshold in force."""
+    with _settle_lock:
+        if not _buffered_settled:
+            if kernels_available():
+                rows = measure()
+                torch.ops.agent_mtp_blockq.buffered_rows(rows)
+                log.info(
+                    "Block kernels: AVX2 lane passes of %d+ rows multiply buffered weights (the faster here)", rows
+                )
+            _buffered_settled.append(buffered_rows())
+        return _buffered_settled[0]
+
+
+def buffered_rows() -> int:
+    """The row count from which AVX2 lane passes take the buffered path in this process (:data:`BUFFERED_ROWS`
+    where the kernels are not loaded)."""
+    return int(torch.ops.agent_mtp_blockq.buffered_rows(-1)) if kernels_available() else BUFFERED_ROWS
+
+
+@contextlib.contextmanager
+def buffered_from(rows: int) -> Iterator[int]:
+    """Inside the block, AVX2 lane passes of ``rows`` rows or more take the buffered path (the same bits as the lane
+    tiles), process-wide, for measurements and tests. Yields ``rows``."""
+    if not kernels_available():
+        raise ConfigError("The block-weight kernels are not loaded in this process; there is no lane pass to buffer.")
+    if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+        raise ConfigError(f"buffered_from(rows={rows!r}): give a whole number of rows >= 1, e.g. 5 or 9.")
+    before = int(torch.ops.agent_mtp_blockq.buffered_rows(rows))
+    try:
+        yield rows
+    finally:
+        torch.ops.agent_mtp_blockq.buffered_rows(before)
 
 
 def pinned_tile_rows() -> TileRows | None:
@@ -435,6 +482,8 @@ def kernel_tag() -> str:
     tag = {Wide.NONE: "blockq12", Wide.ALL: "blockq12-avx512"}.get(
         forms, f"blockq12-avx512{(forms.name or '').lower()}"
     )
+    if not forms & Wide.LANES and buffered_rows() != BUFFERED_ROWS:  # AVX2 lane passes buffered from fewer rows
+        tag += f"-b{buffered_rows()}"
     return f"{tag}-vnni3" if vnni_active() else tag
 
 

@@ -35,6 +35,7 @@ from agent_mtp.engine.fast.weights import (
     flat_runs,
     measure_avx512,
     measure_block_rows,
+    measure_buffered_rows,
     measure_tile_rows,
     rope_pair_order,
     stack_low_rank,
@@ -287,6 +288,7 @@ class FastModel:
         large = sum(linear.nbytes() for linear in linears) >= CROSSOVER_BYTES
         if large and not blockq.tiles_active():  # the kernel form first: the crossover is measured on it
             blockq.settle_avx512(lambda: measure_avx512(linears))
+            blockq.settle_buffered_rows(lambda: measure_buffered_rows(linears))
         if large and blockq.tiles_active():  # which passes the tiles serve and which VNNI (the same bits)
             blockq.settle_tile_rows(lambda: measure_tile_rows(linears))
         if rows is None and large:

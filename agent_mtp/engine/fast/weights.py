@@ -287,6 +287,47 @@ def measure_avx512(linears: Sequence[PackedLinear], *, rounds: int = 3) -> block
     return faster
 
 
+BUFFERED_SIZES = (6, 8)
+"""Pass sizes at which :func:`measure_buffered_rows` times AVX2 lane passes in tiles against buffered."""
+
+
+def measure_buffered_rows(linears: Sequence[PackedLinear], *, rounds: int = 2) -> int:
+    """:data:`blockq.BUFFERED_LOW_ROWS` where AVX2 lane passes of :data:`BUFFERED_SIZES` rows multiply ``linears``'
+    blocks faster on the buffered path than in lane tiles (summed over the sizes, fastest of ``rounds``, the paths
+    alternating), else :data:`blockq.BUFFERED_ROWS`. Both give the same bits. Zen 3 (two 256-bit FMA pipes): tiles
+    34 against buffered 29 GMAC/s at 8 rows; Zen 1 (128-bit pipes): whole passes of 5 / 6 / 8 rows 0.96x / 0.95x /
+    0.90x the time buffered. Run it on the thread that runs passes, after the AVX-512 forms are settled."""
+    chosen = _form_sample(linears)
+    if not chosen or blockq.avx512_forms() & blockq.Wide.LANES or blockq.records_active():
+        return blockq.BUFFERED_ROWS  # passes never take the AVX2 lane kernels here
+    inputs = _random_inputs(chosen, max(BUFFERED_SIZES))
+
+    def timed(threshold: int, rows: int) -> float:
+        with blockq.buffered_from(threshold):
+            start = time.perf_counter()
+            for linear in chosen:
+                linear.blocks_product(inputs[linear.in_features][:rows])
+            return time.perf_counter() - start
+
+    paths = (blockq.BUFFERED_LOW_ROWS, blockq.BUFFERED_ROWS)
+    totals = dict.fromkeys(paths, 0.0)
+    for rows in BUFFERED_SIZES:
+        best = dict.fromkeys(paths, math.inf)
+        for path in paths:  # warm-up
+            timed(path, rows)
+        for _ in range(rounds):
+            for path in paths:
+                best[path] = min(best[path], timed(path, rows))
+        log.debug("%d rows: buffered %.2f ms, lane tiles %.2f ms", rows, 1e3 * best[paths[0]], 1e3 * best[paths[1]])
+        for path in paths:
+            totals[path] += best[path]
+    return (
+        blockq.BUFFERED_LOW_ROWS
+        if totals[blockq.BUFFERED_LOW_ROWS] < totals[blockq.BUFFERED_ROWS]
+        else blockq.BUFFERED_ROWS
+    )
+
+
 TILE_ROWS_CANDIDATES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 """Pass sizes at which :func:`measure_tile_rows` times the AMX tiles against VNNI."""
 

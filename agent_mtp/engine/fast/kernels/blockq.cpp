@@ -372,7 +372,18 @@ inline int64_t lane_task_groups(int64_t rows) {
 // costs ~2 cycles per 8 weights, hence tiles below 9 rows. From 9 rows: whole passes there were a tie on Zen 3
 // (0.98-1.01x, 9-15 rows), and on Zen 1 (128-bit FMA pipes, where a tile's broadcasts and rebuilds weigh more) 0.75x
 // the time at 10 and 12 rows (66.8 / 75.5 against 88.8 / 102.0 ms, 2 threads, alternated twice), 0.90x at 8 rows.
+// Below 9 rows the machines part (Zen 3: tiles 34 against buffered 29 GMAC/s at 8 rows; Zen 1: buffered 0.90-0.95x
+// the pass time at 5-8 rows), so the Python side measures which is faster there once per process and may move the
+// threshold down to 5 (g_buffered_rows; blockq.settle_buffered_rows). The same bits either way.
 constexpr int64_t kBufferedRows = 9;
+std::atomic<int64_t> g_buffered_rows{kBufferedRows};
+
+// Set (request >= 1) or read (-1) g_buffered_rows: AVX2 lane passes of this many rows or more take the buffered path.
+int64_t buffered_rows(int64_t request) {
+  TORCH_CHECK(request == -1 || request >= 1, "buffered_rows takes -1 (leave as is) or a row count >= 1, got ", request);
+  if (request >= 1) g_buffered_rows = request;
+  return g_buffered_rows.load();
+}
 constexpr int kBufferedGroups = 3, kBufferedTile = 4;
 
 // The weights of ``count`` adjacent groups (lanes, scales and minimums ``lane_stride`` / ``scale_stride`` apart) as
@@ -1541,7 +1552,7 @@ void grouped_product(const float* x, int64_t rows, const BlockView& w, int64_t b
     });
     return;
   }
-  const bool buffered = by_lanes && !wide_path && rows >= kBufferedRows;
+  const bool buffered = by_lanes && !wide_path && rows >= g_buffered_rows.load(std::memory_order_relaxed);
   const int64_t per_task = !by_lanes ? 1 : wide_path ? 2 : buffered ? kBufferedGroups : lane_task_groups(rows);
   const int64_t block_tasks = (groups + per_task - 1) / per_task;
   const int64_t dense_tasks = (extra + kGroup - 1) / kGroup, early = dense_tasks / 2;
@@ -2617,6 +2628,7 @@ TORCH_LIBRARY(agent_mtp_blockq, m) {
   // where the tiles serve a pass and VNNI is on: the most rows of an exact pass's last partial chunk that VNNI
   // multiplies beside the tiles' full chunks (0-8 sets, -1 reads; 0: the tiles take every row)
   m.def("tail_rows(int rows=-1) -> int", &tail_rows);
+  m.def("buffered_rows(int rows=-1) -> int", &buffered_rows);
   // target[r] += low[r] b_t at the rows of runs (flattened [start, stop) pairs): an adapter's delta at the mask rows
   // (draft: b_t in bfloat16 for the rows of coarse_runs, mask rows that are only drafts; spans: low_rank_spans(b_t),
   // the rank rows not all zero per 64 outputs); low_rank_spans: those spans, [ceil(out / 64), 2] int32
