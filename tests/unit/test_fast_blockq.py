@@ -794,6 +794,7 @@ def test_buffered_lane_passes_from_any_row_count_give_the_same_bits(kind: str) -
     of a lane pass gives the same numbers in tiles and buffered; the kernel tag names a moved threshold."""
     blocks = blockq.block_weights((q4_1 if kind == "q4_1" else q8_0)(torch.randn(48, 256)))
     assert blocks is not None
+    before = blockq.buffered_rows()
     x = torch.randn(13, 256)
     with blockq.avx_kernels(), blockq.avx512(False):  # the AVX2 lane kernels (no AMX / VNNI records)
         with blockq.buffered_from(1000):  # lane tiles for every lane pass
@@ -804,6 +805,11 @@ def test_buffered_lane_passes_from_any_row_count_give_the_same_bits(kind: str) -
         with blockq.buffered_from(blockq.BUFFERED_ROWS):
             assert "-b" not in blockq.kernel_tag()
     assert all(torch.equal(a, b) for a, b in zip(tiles, buffered, strict=True))
+    assert blockq.buffered_rows() == before  # each context restored the process's threshold
+    tail = int(torch.ops.agent_mtp_blockq.tail_rows(-1))
+    with blockq.vnni_tail(7 if tail != 7 else 6) as rows:
+        assert torch.ops.agent_mtp_blockq.tail_rows(-1) == rows
+    assert torch.ops.agent_mtp_blockq.tail_rows(-1) == tail
     with pytest.raises(ConfigError, match="rows=0"):
         blockq.buffered_from(0).__enter__()
     with pytest.raises(RuntimeError, match="buffered_rows takes"):

@@ -249,11 +249,21 @@ def buffered_from(rows: int) -> Iterator[int]:
         raise ConfigError("The block-weight kernels are not loaded in this process; there is no lane pass to buffer.")
     if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
         raise ConfigError(f"buffered_from(rows={rows!r}): give a whole number of rows >= 1, e.g. 5 or 9.")
-    before = int(torch.ops.agent_mtp_blockq.buffered_rows(rows))
-    try:
+    with _kernel_setting("buffered_rows", rows):
         yield rows
+
+
+@contextlib.contextmanager
+def _kernel_setting(op: str, value: int) -> Iterator[None]:
+    """Set one of the kernels' process-wide integers (``torch.ops.agent_mtp_blockq.<op>``: -1 reads it, a value sets
+    it) inside the block, restored afterwards."""
+    setting = getattr(torch.ops.agent_mtp_blockq, op)
+    before = int(setting(-1))
+    setting(value)
+    try:
+        yield
     finally:
-        torch.ops.agent_mtp_blockq.buffered_rows(before)
+        setting(before)
 
 
 def pinned_tile_rows() -> TileRows | None:
@@ -431,11 +441,8 @@ def vnni_tail(rows: int) -> Iterator[int]:
         raise ConfigError("The block-weight kernels are not loaded in this process; there is no tile pass to split.")
     if not 0 <= rows <= 8:
         raise ConfigError(f"vnni_tail(rows={rows!r}): give 0 (the tiles take every row) to 8 rows.")
-    before = int(torch.ops.agent_mtp_blockq.tail_rows(rows))
-    try:
+    with _kernel_setting("tail_rows", rows):
         yield rows
-    finally:
-        torch.ops.agent_mtp_blockq.tail_rows(before)
 
 
 def amx(enable: bool) -> contextlib.AbstractContextManager[bool]:

@@ -10,7 +10,8 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -238,6 +239,21 @@ def _block_bytes(linear: PackedLinear) -> int:
     return blocks.nbytes + (blocks.lanes.numel() if blocks.lanes is not None else 0)
 
 
+_T = TypeVar("_T")
+
+
+def _fastest(choices: Sequence[_T], timed: Callable[[_T, int], float], rows: int, rounds: int) -> dict[_T, float]:
+    """The fastest of ``rounds`` timings ``timed(choice, rows)`` of each choice, the choices alternating after one
+    warm-up call each."""
+    best = dict.fromkeys(choices, math.inf)
+    for choice in choices:
+        timed(choice, rows)
+    for _ in range(rounds):
+        for choice in choices:
+            best[choice] = min(best[choice], timed(choice, rows))
+    return best
+
+
 WIDE_ROWS = {blockq.Wide.ROWS: (1, 2, 4), blockq.Wide.LANES: (8,)}
 """Pass sizes at which each kernel class's AVX-512 and AVX2 forms are timed against each other: one-token and short
 drafted passes (row kernels), a longer drafted or batched one (lane kernels)."""
@@ -267,12 +283,7 @@ def measure_avx512(linears: Sequence[PackedLinear], *, rounds: int = 3) -> block
     for kernels, sizes in WIDE_ROWS.items():
         totals = dict.fromkeys((kernels, blockq.Wide.NONE), 0.0)
         for rows in sizes:
-            best = dict.fromkeys(totals, math.inf)
-            for form in best:  # warm-up
-                timed(form, rows)
-            for _ in range(rounds):
-                for form in best:
-                    best[form] = min(best[form], timed(form, rows))
+            best = _fastest(tuple(totals), timed, rows, rounds)
             log.debug(
                 "%s at %d rows: AVX-512 %.2f ms, AVX2 %.2f ms",
                 kernels.name,
@@ -312,12 +323,7 @@ def measure_buffered_rows(linears: Sequence[PackedLinear], *, rounds: int = 2) -
     paths = (blockq.BUFFERED_LOW_ROWS, blockq.BUFFERED_ROWS)
     totals = dict.fromkeys(paths, 0.0)
     for rows in BUFFERED_SIZES:
-        best = dict.fromkeys(paths, math.inf)
-        for path in paths:  # warm-up
-            timed(path, rows)
-        for _ in range(rounds):
-            for path in paths:
-                best[path] = min(best[path], timed(path, rows))
+        best = _fastest(paths, timed, rows, rounds)
         log.debug("%d rows: buffered %.2f ms, lane tiles %.2f ms", rows, 1e3 * best[paths[0]], 1e3 * best[paths[1]])
         for path in paths:
             totals[path] += best[path]
