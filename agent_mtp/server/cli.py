@@ -51,6 +51,13 @@ def serve(
     ray_address: Annotated[
         str | None, typer.Option(help='--ray: cluster to join ("auto"; default: a local one).')
     ] = None,
+    ray_high_throughput: Annotated[
+        bool | None,
+        typer.Option(
+            "--ray-high-throughput/--no-ray-high-throughput",
+            help="--ray: HAProxy ingress and gRPC between deployments (default on; a local cluster).",
+        ),
+    ] = None,
 ) -> None:
     """Serve the model over the OpenAI chat-completions API (POST /v1/chat/completions, GET /v1/models,
     GET /health). The API key comes from $AGENT_MTP_SERVE_API_KEY (never a command-line argument: it would show
@@ -78,7 +85,16 @@ def serve(
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
     if ray:
-        _serve_on_ray(settings, ray_config, replicas, max_ongoing_requests, min_replicas, max_replicas, ray_address)
+        _serve_on_ray(
+            settings,
+            ray_config,
+            replicas,
+            max_ongoing_requests,
+            min_replicas,
+            max_replicas,
+            ray_address,
+            ray_high_throughput,
+        )
         return
     warn_if_exposed(settings.host, settings)
     run_server(settings, log_level=log_level)
@@ -101,6 +117,7 @@ def _serve_on_ray(
     min_replicas: int | None,
     max_replicas: int | None,
     address: str | None,
+    high_throughput: bool | None = None,
 ) -> None:
     """The Ray Serve fleet (agent_mtp.server.ray_serve); --threads is the torch threads of each replica."""
     from agent_mtp.errors import ConfigError
@@ -114,6 +131,7 @@ def _serve_on_ray(
             min_replicas=min_replicas,
             max_replicas=max_replicas,
             address=address,
+            high_throughput=high_throughput,
             threads_per_replica=settings.threads,
             http_host=settings.host if "host" in settings.model_fields_set else None,
             http_port=settings.port if "port" in settings.model_fields_set else None,

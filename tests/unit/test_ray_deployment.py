@@ -9,7 +9,7 @@ import pytest
 from pydantic import SecretStr
 
 from agent_mtp.errors import ConfigError
-from agent_mtp.server.ray_serve import RayDeployment, fleet_settings, load_deployment
+from agent_mtp.server.ray_serve import HIGH_THROUGHPUT_ENV, RayDeployment, fleet_settings, load_deployment, ray_env
 from agent_mtp.server.settings import ServerSettings
 
 
@@ -63,6 +63,35 @@ def test_fleet_settings_carry_redis_as_a_secret_and_share_the_breakers() -> None
     )
     assert apart.breaker_store is not None and apart.breaker_store.get_secret_value() == "redis://b:6379/1"
     assert fleet_settings(ServerSettings(), RayDeployment(), {}).redis_url is None
+
+
+def test_a_local_cluster_runs_ray_serves_high_throughput_mode_unless_told_otherwise(tmp_path: Path) -> None:
+    on = RayDeployment()
+    assert on.high_throughput
+    assert ray_env(on, {}, haproxy=True) == {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
+    assert ray_env(on, {}, haproxy=True) == HIGH_THROUGHPUT_ENV
+    # what the environment sets explicitly wins, either way
+    assert ray_env(on, {"RAY_SERVE_ENABLE_HA_PROXY": "0"}, haproxy=True) == {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
+    # without Ray's HAProxy binary, or turned off in the YAML file or on the command line: Ray's defaults
+    assert ray_env(on, {}, haproxy=False) == {}
+    path = tmp_path / "fleet.yaml"
+    path.write_text("high_throughput: false\n")
+    assert ray_env(load_deployment(path), {}, haproxy=True) == {}
+    assert load_deployment(path, high_throughput=True).high_throughput
+
+
+def test_serve_ray_high_throughput_flag_reaches_the_deployment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from typer.testing import CliRunner
+
+    import agent_mtp.server.ray_serve as ray_serve
+    from agent_mtp.cli import app
+
+    deployed: list[RayDeployment] = []
+    monkeypatch.setattr(ray_serve, "run_ray", lambda settings, deployment: deployed.append(deployment))
+    runner = CliRunner()
+    assert runner.invoke(app, ["serve", "--ray", "--no-ray-high-throughput"]).exit_code == 0
+    assert runner.invoke(app, ["serve", "--ray"]).exit_code == 0
+    assert [d.high_throughput for d in deployed] == [False, True]
 
 
 def test_serve_ray_options_are_checked_before_ray_starts(tmp_path: Path) -> None:
