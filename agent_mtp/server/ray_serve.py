@@ -21,6 +21,8 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -191,13 +193,48 @@ HIGH_THROUGHPUT_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_O
 """Ray Serve's switches of its high-throughput mode (read by every Serve process when it starts)."""
 
 
-def ray_env(deployment: RayDeployment, environ: dict[str, str], *, haproxy: bool) -> dict[str, str]:
+HAPROXY_PORTS = {"RAY_SERVE_HAPROXY_STATS_PORT": 8404, "RAY_SERVE_HAPROXY_METRICS_PORT": 9101}
+"""The ports HAProxy also listens on (all interfaces), Ray's defaults; taken ones make Serve fail to start."""
+
+
+def ray_env(
+    deployment: RayDeployment,
+    environ: dict[str, str],
+    *,
+    haproxy: bool,
+    port_free: Callable[[int], bool] | None = None,
+) -> dict[str, str]:
     """The environment to add before a local Ray cluster starts (its processes inherit it): the high-throughput
     switches where ``deployment.high_throughput`` asks for them and Ray's HAProxy binary is installed (``haproxy``),
-    each unless ``environ`` sets it already (an explicit ``RAY_SERVE_ENABLE_HA_PROXY=0`` wins)."""
+    each unless ``environ`` sets it already (an explicit ``RAY_SERVE_ENABLE_HA_PROXY=0`` wins); and where HAProxy
+    will run, a free port for its stats and its metrics where Ray's default one is taken (``port_free``, default:
+    :func:`_port_free`; another program or another Ray cluster on 9101 or 8404 otherwise stops Serve at start)."""
     if not deployment.high_throughput or not haproxy:
         return {}
-    return {name: value for name, value in HIGH_THROUGHPUT_ENV.items() if name not in environ}
+    env = {name: value for name, value in HIGH_THROUGHPUT_ENV.items() if name not in environ}
+    if {**env, **environ}.get("RAY_SERVE_ENABLE_HA_PROXY") == "1":
+        free = port_free or _port_free
+        for name, default in HAPROXY_PORTS.items():
+            if name not in environ and not free(default):
+                env[name] = str(_any_free_port())
+    return env
+
+
+def _port_free(port: int) -> bool:
+    """Whether ``port`` can be bound on all interfaces (as HAProxy binds it, with SO_REUSEADDR)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("", port))
+        except OSError:
+            return False
+    return True
+
+
+def _any_free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("", 0))
+        return int(probe.getsockname()[1])
 
 
 def _haproxy_installed() -> bool:

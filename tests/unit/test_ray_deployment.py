@@ -68,16 +68,45 @@ def test_fleet_settings_carry_redis_as_a_secret_and_share_the_breakers() -> None
 def test_a_local_cluster_runs_ray_serves_high_throughput_mode_unless_told_otherwise(tmp_path: Path) -> None:
     on = RayDeployment()
     assert on.high_throughput
-    assert ray_env(on, {}, haproxy=True) == {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
-    assert ray_env(on, {}, haproxy=True) == HIGH_THROUGHPUT_ENV
+
+    def free(port: int) -> bool:
+        return True
+
+    expected = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
+    assert ray_env(on, {}, haproxy=True, port_free=free) == expected == HIGH_THROUGHPUT_ENV
     # what the environment sets explicitly wins, either way
-    assert ray_env(on, {"RAY_SERVE_ENABLE_HA_PROXY": "0"}, haproxy=True) == {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
+    off = {"RAY_SERVE_ENABLE_HA_PROXY": "0"}
+    assert ray_env(on, off, haproxy=True, port_free=free) == {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
     # without Ray's HAProxy binary, or turned off in the YAML file or on the command line: Ray's defaults
-    assert ray_env(on, {}, haproxy=False) == {}
+    assert ray_env(on, {}, haproxy=False, port_free=free) == {}
     path = tmp_path / "fleet.yaml"
     path.write_text("high_throughput: false\n")
-    assert ray_env(load_deployment(path), {}, haproxy=True) == {}
+    assert ray_env(load_deployment(path), {}, haproxy=True, port_free=free) == {}
     assert load_deployment(path, high_throughput=True).high_throughput
+
+
+def test_haproxy_takes_free_ports_where_rays_defaults_are_taken() -> None:
+    import socket
+
+    from agent_mtp.server.ray_serve import _port_free
+
+    on = RayDeployment()
+    taken = {9101}
+    env = ray_env(on, {}, haproxy=True, port_free=lambda port: port not in taken)
+    assert "RAY_SERVE_HAPROXY_STATS_PORT" not in env  # 8404 free: Ray's default
+    metrics = int(env["RAY_SERVE_HAPROXY_METRICS_PORT"])
+    assert metrics not in (9101, 8404) and _port_free(metrics)
+    # a port the environment names is left to it; without HAProxy no port is chosen
+    named = {"RAY_SERVE_HAPROXY_METRICS_PORT": "9200", "RAY_SERVE_HAPROXY_STATS_PORT": "9201"}
+    assert set(ray_env(on, named, haproxy=True, port_free=lambda port: False)) == set(HIGH_THROUGHPUT_ENV)
+    assert ray_env(on, {"RAY_SERVE_ENABLE_HA_PROXY": "0"}, haproxy=True, port_free=lambda port: False) == {
+        "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"
+    }
+    # the real probe sees a listening socket
+    with socket.socket() as listener:
+        listener.bind(("", 0))
+        listener.listen()
+        assert not _port_free(int(listener.getsockname()[1]))
 
 
 def test_serve_ray_high_throughput_flag_reaches_the_deployment(monkeypatch: pytest.MonkeyPatch) -> None:
