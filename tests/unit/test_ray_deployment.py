@@ -109,6 +109,25 @@ def test_haproxy_takes_free_ports_where_rays_defaults_are_taken() -> None:
         assert not _port_free(int(listener.getsockname()[1]))
 
 
+def test_a_taken_http_port_is_refused_before_ray_starts() -> None:
+    import socket
+
+    from agent_mtp.server.ray_serve import check_http_port, run_ray
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = int(listener.getsockname()[1])
+        taken = RayDeployment(http_port=port)
+        with pytest.raises(ConfigError, match=rf"port {port} on 127.0.0.1 is in use.*--port.*pkill"):
+            check_http_port(taken)
+        check_http_port(RayDeployment(http_port=0))  # any port: nothing to check
+        pytest.importorskip("ray")
+        with pytest.raises(ConfigError, match="is in use"):  # before ray.init: no cluster starts
+            run_ray(ServerSettings(), taken)
+    check_http_port(RayDeployment(http_port=port))  # free again
+
+
 def test_serve_ray_high_throughput_flag_reaches_the_deployment(monkeypatch: pytest.MonkeyPatch) -> None:
     from typer.testing import CliRunner
 
