@@ -120,6 +120,58 @@ def test_q4_1_weights_are_recovered_and_multiplied_in_float32() -> None:
     torch.testing.assert_close(blocks(x), F.linear(x, weight), atol=2e-5, rtol=1e-5)
 
 
+def _awkward_blocks() -> torch.Tensor:
+    """[rows, blocks, 32] float32 values of every kind the recovery meets: exact Q4_1 and Q8_0 blocks, the same
+    perturbed by one ulp, random, zero, constant, tiny (float16 underflow), huge (float16 overflow), infinite, NaN
+    and negative-zero blocks, ties at .5 after the division."""
+    torch.manual_seed(3)
+    rows = [q4_1(torch.randn(8, 64)), q8_0(torch.randn(8, 64)), torch.randn(8, 64)]
+    bumped = q4_1(torch.randn(4, 64))
+    bumped[:, 5] = torch.nextafter(bumped[:, 5], torch.tensor(float("inf")))
+    special = torch.zeros(12, 64)
+    special[1] = 0.375
+    special[2] = torch.randn(64) * 1e-9
+    special[3] = torch.randn(64) * 1e6
+    special[4, 3] = float("inf")
+    special[5, 7] = float("nan")
+    special[6] = -0.0
+    special[7, :32] = torch.arange(32) * 0.5  # (v - min) / d lands on .5 ties
+    special[8] = torch.randn(64) * 70000  # beyond float16's range: d overflows
+    special[9, 0] = float("-inf")
+    special[10] = q4_1(torch.randn(1, 64)) * 2**-20
+    special[11, 31] = float("nan")
+    return torch.cat([*rows, bumped, special]).reshape(-1, 2, 32).contiguous()
+
+
+def test_the_one_pass_recovery_computes_what_the_torch_ops_compute() -> None:
+    blocks = _awkward_blocks()
+    assert blockq._loaded[0]  # the module's skip check loaded the kernels: the C++ pass serves
+    q, d, m, ok = blockq._q4_1_blocks(blocks)
+    q_ref, d_ref, m_ref, ok_ref = blockq._q4_1_blocks_reference(blocks)
+    assert torch.equal(ok, ok_ref) and 8 <= int(ok.sum()) < len(ok)
+    torch.testing.assert_close(d, d_ref, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(m, m_ref, rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(q[ok], q_ref[ok])  # the quants of rows not rebuilt bit for bit are never read
+    finite = torch.isfinite(blocks).flatten(1).all(-1)
+    assert torch.equal(q[finite], q_ref[finite])
+    q8, d8, ok8 = blockq._q8_0_blocks(blocks)
+    q8_ref, d8_ref, ok8_ref = blockq._q8_0_blocks_reference(blocks)
+    assert torch.equal(ok8, ok8_ref) and int(ok8.sum()) >= 8
+    torch.testing.assert_close(d8, d8_ref, rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(q8[finite], q8_ref[finite])
+    # and a model's weights take the same blocks either way
+    weight = q4_1(torch.randn(24, 96))
+    fast = blockq.block_weights(weight)
+    try:
+        blockq._loaded[0] = False
+        slow = blockq._recover_blocks(weight)
+    finally:
+        blockq._loaded[0] = True
+    assert fast is not None and slow is not None
+    assert torch.equal(fast.qs, slow.qs) and torch.equal(fast.scale, slow.scale)
+    assert fast.minimum is not None and slow.minimum is not None and torch.equal(fast.minimum, slow.minimum)
+
+
 @pytest.mark.parametrize("rows", [2, 7])  # row and lane kernels
 def test_q8_0_weights_with_an_added_row_and_padding(rows: int) -> None:
     weight = torch.cat([q8_0(torch.randn(45, 64)), torch.randn(1, 64)])  # 46 rows: padded to 48, one exception
