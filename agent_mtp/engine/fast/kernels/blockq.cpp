@@ -1785,45 +1785,59 @@ inline float fp16_round(float x) { return static_cast<float>(c10::Half(x)); }
 // rebuilt bit for bit, so their quants are not used.
 inline float quant(float t, float lo, float hi) { return t == t ? std::clamp(std::nearbyint(t), lo, hi) : 0.0f; }
 
-// (q [rows, n, 32] uint8, d [rows, n], m [rows, n], ok [rows] bool) of [rows, n, 32] float32 values: d the
-// float16-rounded (max - min) / 15, m the minimum, q = round((v - m) / d) in [0, 15] (0 where d is 0); ok where every
-// q * d + m equals its value and every m is a float16 number.
-std::vector<at::Tensor> recover_q4_1(const at::Tensor& blocks) {
+// ok [rows] of [rows, n, 32] float32 values: block(index, values) recovers block ``index`` (r * n + b), stores its
+// quants and scales and says whether they rebuild its values bit for bit; rows spread across the threads.
+template <class Block>
+at::Tensor recover_rows(const at::Tensor& blocks, const char* op, Block&& block) {
   TORCH_CHECK(blocks.dim() == 3 && blocks.size(2) == kBlock && blocks.scalar_type() == at::kFloat &&
                   blocks.is_contiguous(),
-              "recover_q4_1 needs contiguous float32 [rows, blocks, 32] values, got ", blocks.sizes());
+              op, " needs contiguous float32 [rows, blocks, 32] values, got ", blocks.sizes());
   const int64_t rows = blocks.size(0), n = blocks.size(1);
-  at::Tensor q = at::empty({rows, n, kBlock}, blocks.options().dtype(at::kByte));
-  at::Tensor d = at::empty({rows, n}, blocks.options()), m = at::empty({rows, n}, blocks.options());
   at::Tensor ok = at::empty({rows}, blocks.options().dtype(at::kBool));
   const float* v = blocks.data_ptr<float>();
-  uint8_t* qp = q.data_ptr<uint8_t>();
-  float *dp = d.data_ptr<float>(), *mp = m.data_ptr<float>();
   bool* okp = ok.data_ptr<bool>();
   at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       bool same = true;
-      for (int64_t b = 0; b < n; ++b) {
-        const int64_t at_block = r * n + b;
-        const float* x = v + at_block * kBlock;
-        float low = x[0], high = x[0];
-        for (int64_t i = 1; i < kBlock; ++i) {  // NaN propagates, as torch's amin / amax
-          low = (x[i] < low || x[i] != x[i]) ? x[i] : low;
-          high = (x[i] > high || x[i] != x[i]) ? x[i] : high;
-        }
-        const float scale = fp16_round((high - low) / 15.0f);
-        const float safe = scale > 0 ? scale : 1.0f;
-        for (int64_t i = 0; i < kBlock; ++i) {
-          const float qi = scale > 0 ? quant((x[i] - low) / safe, 0.0f, 15.0f) : 0.0f;
-          qp[at_block * kBlock + i] = static_cast<uint8_t>(qi);
-          same = same && (qi * scale + low == x[i]);  // -ffp-contract=off: a product, then a sum, as torch's
-        }
-        same = same && (fp16_round(low) == low);
-        dp[at_block] = scale;
-        mp[at_block] = low;
-      }
+      for (int64_t b = r * n; b < (r + 1) * n; ++b) same = block(b, v + b * kBlock) && same;  // every block stored
       okp[r] = same;
     }
+  });
+  return ok;
+}
+
+// The shape of [rows, n] per-block values (a 3-d input's first two sizes; recover_rows checks the rest).
+std::vector<int64_t> block_grid(const at::Tensor& blocks) {
+  TORCH_CHECK(blocks.dim() == 3, "block recovery needs [rows, blocks, 32] values, got ", blocks.sizes());
+  return {blocks.size(0), blocks.size(1)};
+}
+
+// (q [rows, n, 32] uint8, d [rows, n], m [rows, n], ok [rows] bool) of [rows, n, 32] float32 values: d the
+// float16-rounded (max - min) / 15, m the minimum, q = round((v - m) / d) in [0, 15] (0 where d is 0); ok where every
+// q * d + m equals its value and every m is a float16 number.
+std::vector<at::Tensor> recover_q4_1(const at::Tensor& blocks) {
+  const std::vector<int64_t> grid = block_grid(blocks);
+  at::Tensor q = at::empty({grid[0], grid[1], kBlock}, blocks.options().dtype(at::kByte));
+  at::Tensor d = at::empty(grid, blocks.options()), m = at::empty(grid, blocks.options());
+  uint8_t* qp = q.data_ptr<uint8_t>();
+  float *dp = d.data_ptr<float>(), *mp = m.data_ptr<float>();
+  at::Tensor ok = recover_rows(blocks, "recover_q4_1", [&](int64_t index, const float* x) {
+    float low = x[0], high = x[0];
+    for (int64_t i = 1; i < kBlock; ++i) {  // NaN propagates, as torch's amin / amax
+      low = (x[i] < low || x[i] != x[i]) ? x[i] : low;
+      high = (x[i] > high || x[i] != x[i]) ? x[i] : high;
+    }
+    const float scale = fp16_round((high - low) / 15.0f);
+    const float safe = scale > 0 ? scale : 1.0f;
+    bool same = fp16_round(low) == low;
+    for (int64_t i = 0; i < kBlock; ++i) {
+      const float qi = scale > 0 ? quant((x[i] - low) / safe, 0.0f, 15.0f) : 0.0f;
+      qp[index * kBlock + i] = static_cast<uint8_t>(qi);
+      same = same && (qi * scale + low == x[i]);  // -ffp-contract=off: a product, then a sum, as torch's
+    }
+    dp[index] = scale;
+    mp[index] = low;
+    return same;
   });
   return {q, d, m, ok};
 }
@@ -1831,39 +1845,27 @@ std::vector<at::Tensor> recover_q4_1(const at::Tensor& blocks) {
 // (q [rows, n, 32] int8, d [rows, n], ok [rows] bool): d the float16-rounded max |v| / 127, q = round(v / d) in
 // [-128, 127] (0 where d is 0); ok where every q * d equals its value.
 std::vector<at::Tensor> recover_q8_0(const at::Tensor& blocks) {
-  TORCH_CHECK(blocks.dim() == 3 && blocks.size(2) == kBlock && blocks.scalar_type() == at::kFloat &&
-                  blocks.is_contiguous(),
-              "recover_q8_0 needs contiguous float32 [rows, blocks, 32] values, got ", blocks.sizes());
-  const int64_t rows = blocks.size(0), n = blocks.size(1);
-  at::Tensor q = at::empty({rows, n, kBlock}, blocks.options().dtype(at::kChar));
-  at::Tensor d = at::empty({rows, n}, blocks.options());
-  at::Tensor ok = at::empty({rows}, blocks.options().dtype(at::kBool));
-  const float* v = blocks.data_ptr<float>();
+  const std::vector<int64_t> grid = block_grid(blocks);
+  at::Tensor q = at::empty({grid[0], grid[1], kBlock}, blocks.options().dtype(at::kChar));
+  at::Tensor d = at::empty(grid, blocks.options());
   int8_t* qp = q.data_ptr<int8_t>();
   float* dp = d.data_ptr<float>();
-  bool* okp = ok.data_ptr<bool>();
-  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      bool same = true;
-      for (int64_t b = 0; b < n; ++b) {
-        const int64_t at_block = r * n + b;
-        const float* x = v + at_block * kBlock;
-        float peak = std::fabs(x[0]);
-        for (int64_t i = 1; i < kBlock; ++i) {
-          const float a = std::fabs(x[i]);
-          peak = (a > peak || a != a) ? a : peak;
-        }
-        const float scale = fp16_round(peak / 127.0f);
-        const float safe = scale > 0 ? scale : 1.0f;
-        for (int64_t i = 0; i < kBlock; ++i) {
-          const float qi = scale > 0 ? quant(x[i] / safe, -128.0f, 127.0f) : 0.0f;
-          qp[at_block * kBlock + i] = static_cast<int8_t>(qi);
-          same = same && (qi * scale == x[i]);
-        }
-        dp[at_block] = scale;
-      }
-      okp[r] = same;
+  at::Tensor ok = recover_rows(blocks, "recover_q8_0", [&](int64_t index, const float* x) {
+    float peak = std::fabs(x[0]);
+    for (int64_t i = 1; i < kBlock; ++i) {
+      const float a = std::fabs(x[i]);
+      peak = (a > peak || a != a) ? a : peak;
     }
+    const float scale = fp16_round(peak / 127.0f);
+    const float safe = scale > 0 ? scale : 1.0f;
+    bool same = true;
+    for (int64_t i = 0; i < kBlock; ++i) {
+      const float qi = scale > 0 ? quant(x[i] / safe, -128.0f, 127.0f) : 0.0f;
+      qp[index * kBlock + i] = static_cast<int8_t>(qi);
+      same = same && (qi * scale == x[i]);
+    }
+    dp[index] = scale;
+    return same;
   });
   return {q, d, ok};
 }
