@@ -177,6 +177,67 @@ def demo(
     )
 
 
+@app.command("measure-machine")
+def measure_machine(
+    model: ModelOpt = "default",
+    adapter: AdapterOpt = None,
+    dtype: DtypeOpt = "float32",
+    runtime: RuntimeOpt = "auto",
+    threads: ThreadsOpt = None,
+) -> None:
+    """Measure this machine's kernel choices and forward cost curve again and store them (run it on an idle
+    machine). Every process measures them once where none are stored and later ones read them; this replaces
+    what a busy moment measured. The engine's settings from the environment (AGENT_MTP_ROW_GRID, AGENT_MTP_KV_CACHE,
+    AGENT_MTP_DRAFT_MASKS) select the curve that is measured."""
+    from agent_mtp.engine.fast.choices import CHOICES_ENV
+
+    os.environ[CHOICES_ENV] = "measure"  # this process only: its runtime is prepared below
+    set_threads(threads)
+    engine = load_engine(model, adapter, dtype, runtime)
+    with console.status("Measuring the kernel choices and the forward cost curve ..."):
+        try:
+            done = engine.measure_machine()
+        except OSError as e:
+            console.print(f"[red]Could not store the measurements ({e}); set AGENT_MTP_CACHE to a writable folder.")
+            raise typer.Exit(2) from None
+    table = Table(title=f"{engine.model_id}: {engine.runtime} runtime, {threads_in_use()} threads, {done.kernels}")
+    table.add_column("measured")
+    table.add_column("value", justify="right")
+    for name, value in sorted(done.kernel_choices.items()):
+        table.add_row(*_kernel_choice_row(name, value))
+    curve = done.curve
+    rows = (("points", "cost curve (1 real token + masks)"), ("draft", "draft-only masks"), ("real", "real tokens"))
+    for attr, label in rows:
+        points = getattr(curve, attr)
+        if points:
+            table.add_row(label, ", ".join(f"{n}: {c:.2f}" for n, c in points))
+    out.print(table)
+    if done.choices_path is not None:
+        out.print(f"kernel choices stored in {done.choices_path}")
+    out.print(f"cost curve stored in {done.curve_path}")
+
+
+def _kernel_choice_row(name: str, value: object) -> tuple[str, str]:
+    """A stored kernel choice as a table row a reader can follow (engine/fast/choices.py)."""
+    from agent_mtp.engine.fast import blockq
+    from agent_mtp.engine.fast.weights import BLOCKS_EVERY_PASS
+
+    if name == "avx512" and isinstance(value, int):
+        return "kernel classes in their AVX-512 form", {0: "none", 1: "row kernels", 2: "lane kernels"}.get(
+            value, "both"
+        )
+    if name == "buffered_rows":
+        return "AVX2 lane passes multiply buffered weights", f"from {value} rows"
+    if name == "block_rows" and isinstance(value, int):
+        return (
+            "passes that read the quantization blocks",
+            "every pass" if value >= BLOCKS_EVERY_PASS else f"up to {value} rows",
+        )
+    if name == "tile_rows" and isinstance(value, list):
+        return "passes on the AMX tiles (else VNNI)", str(blockq.TileRows(*value))
+    return f"kernel choice {name}", str(value)
+
+
 def _int_option(name: str, value: str) -> int:
     try:
         return int(value)

@@ -7,12 +7,15 @@ the planner (:mod:`agent_mtp.engine.planner`) reads this curve.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import functools
 import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from agent_mtp.engine.files import write_atomically
 
 CURVE_POINTS = (1, 2, 3, 4, 8, 16, 32)
 MEMO_FIRST = 64
@@ -208,15 +211,18 @@ def _relative(samples: dict[int, list[float]], points: Sequence[int], base: floa
 
 
 def load_or_measure(path: Path, measure: Callable[[], CostCurve]) -> CostCurve:
+    """The curve stored at ``path``, else ``measure()``'s, stored there (an unwritable cache is skipped)."""
     if path.is_file():
         try:
             return CostCurve.from_json(path.read_text())
         except (ValueError, KeyError, json.JSONDecodeError):
             pass
     curve = measure()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(curve.to_json())
-    except OSError:
-        pass
+    with contextlib.suppress(OSError):
+        store_curve(path, curve)
     return curve
+
+
+def store_curve(path: Path, curve: CostCurve) -> None:
+    """Write ``curve`` to ``path`` (atomically); OSError if the folder cannot be written."""
+    write_atomically(path, curve.to_json())

@@ -8,6 +8,7 @@ import re
 import threading
 import time
 from collections.abc import Generator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, cast
 
@@ -16,9 +17,10 @@ import torch
 from agent_mtp.engine.adapter import MTPAdapter, load_adapter
 from agent_mtp.engine.config import DecodeConfig
 from agent_mtp.engine.constraints import TokenConstraint
-from agent_mtp.engine.cost import CURVE_POINTS, CostCurve, load_or_measure, measure_cost_curve
+from agent_mtp.engine.cost import CURVE_POINTS, CostCurve, load_or_measure, measure_cost_curve, store_curve
 from agent_mtp.engine.decode import DecodeSetup, decode
 from agent_mtp.engine.fast import FastModel, FastRunner, blockq, unsupported_reason
+from agent_mtp.engine.fast.choices import machine_key
 from agent_mtp.engine.fast.model import SourceSignature
 from agent_mtp.engine.fast.weights import BLOCKS_EVERY_PASS
 from agent_mtp.engine.loading import DEFAULT_MODEL_ALIASES, LoadedModel, cache_root, load_model, prefix_cache_mb
@@ -63,6 +65,21 @@ largest input: outputs ~1e-5 of their scale off, so output may differ from the f
 VNNI a real row then costs 16 integer products a block instead of 24, which passes of many rows -- batches of
 sequences, verified's checked drafts -- are bound by). No effect on the AVX kernels (float32 throughout)."""
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class MachineCosts:
+    """What :meth:`MTPEngine.measure_machine` measured and stored."""
+
+    curve: CostCurve
+    curve_path: Path
+    kernels: str
+    """The weight path passes take (the fast runtime's kernel tag, or the runtime's name)."""
+    kernel_choices: Mapping[str, Any]
+    """The fast runtime's stored kernel choices (engine/fast/choices.py); empty where none are timed."""
+    choices_path: Path | None
+    measured: tuple[str, ...]
+    """The kernel choices this process measured (the others were read from ``choices_path``)."""
 
 
 class MTPEngine:
@@ -429,6 +446,25 @@ class MTPEngine:
     def set_cost_curve(self, curve: CostCurve) -> None:
         self._cost_curve = curve
 
+    def measure_machine(self) -> MachineCosts:
+        """Measure this engine's forward cost curve now, use it, and store it where later engines on this machine
+        read it (OSError where the cache folder cannot be written); with it the fast runtime's kernel choices as this
+        process settled them (measured afresh where ``$AGENT_MTP_KERNEL_CHOICES=measure`` was set before the runtime
+        was prepared, as ``agent-mtp measure-machine`` does). Run it on an idle machine."""
+        curve = self.measure_cost_curve()
+        path = self._cost_curve_path()
+        store_curve(path, curve)
+        self.set_cost_curve(curve)
+        stored = self._fast_model().stored_choices if self.runtime == "fast" else None
+        return MachineCosts(
+            curve=curve,
+            curve_path=path,
+            kernels=blockq.kernel_tag() if self.runtime == "fast" and self.block_weights else self.runtime,
+            kernel_choices=dict(stored.values) if stored is not None else {},
+            choices_path=stored.path if stored is not None else None,
+            measured=tuple(stored.measured) if stored is not None else (),
+        )
+
     def _cost_curve_path(self) -> Path:
         device = str(self.model.device).replace(":", "")
         slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", self.model_id)
@@ -444,8 +480,12 @@ class MTPEngine:
             kernels += "-kv16"
         if self.runtime != "hf" and self.row_grid == "int16":
             kernels += "-grid16"
-        # c2: curves with the real-token and draft-mask passes measured apart (older files lack them)
-        name = f"{slug}-{device}-{dtype}-{self.runtime}{kernels}-t{compute_threads()}-c2.json"
+        # c2: curves with the real-token and draft-mask passes measured apart (older files lack them); the machine (its
+        # CPU and the kernels' build) keeps a curve from being read on another CPU that shares the cache folder
+        build = blockq.build_key() if self.runtime != "hf" and self.block_weights else ""
+        accelerator = torch.cuda.get_device_name(self.model.device) if self.model.device.type == "cuda" else ""
+        machine = machine_key(f"{build}|{accelerator}")
+        name = f"{slug}-{device}-{dtype}-{self.runtime}{kernels}-t{compute_threads()}-m{machine}-c2.json"
         return cache_root() / "cost_curves" / name
 
     def measure_cost_curve(self) -> CostCurve:

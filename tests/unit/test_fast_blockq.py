@@ -1166,3 +1166,46 @@ def test_silu_mul_rejects_bad_shapes_with_a_message() -> None:
         torch.ops.agent_mtp_blockq.silu_mul(torch.randn(2, 20), 10)
     with pytest.raises(RuntimeError, match="silu_mul needs"):
         torch.ops.agent_mtp_blockq.silu_mul(torch.randn(2, 8), 8)
+
+
+def test_kernel_choices_are_measured_once_per_machine_and_read_back(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    """A model past CROSSOVER_BYTES measures the kernel choices it settles and stores them; the next process (its
+    once-per-process settles reset) reads them without timing anything, and ``measure`` mode times them again."""
+    from collections import Counter
+
+    from agent_mtp.engine.fast import model as fast_model
+    from agent_mtp.engine.fast.choices import CHOICES_ENV
+
+    engine = _engine("plain-llama", adapter=False)
+    monkeypatch.setenv("AGENT_MTP_CACHE", str(tmp_path))
+    for env in (blockq.ROWS_ENV, blockq.AVX512_ENV, blockq.AMX_ROWS_ENV, CHOICES_ENV):
+        monkeypatch.delenv(env, raising=False)
+    monkeypatch.setattr(fast_model, "CROSSOVER_BYTES", 0)  # time the tiny model as a large one
+    calls = Counter[str]()
+
+    def counted(name: str, value: Callable[[], Any]) -> Callable[[Any], Any]:
+        return lambda linears: calls.update([name]) or value()
+
+    # each measurement returns what the process already runs, so settling it changes no kernel setting
+    monkeypatch.setattr(fast_model, "measure_avx512", counted("avx512", blockq.avx512_forms))
+    monkeypatch.setattr(fast_model, "measure_buffered_rows", counted("buffered_rows", blockq.buffered_rows))
+    monkeypatch.setattr(fast_model, "measure_tile_rows", counted("tile_rows", blockq.tile_rows))
+    monkeypatch.setattr(fast_model, "measure_block_rows", counted("block_rows", lambda: 6))
+
+    def new_process() -> FastModel:
+        for settled in ("_settled", "_buffered_settled", "_tiles_settled"):
+            monkeypatch.setattr(blockq, settled, [])
+        return FastModel.from_hf(engine.model, mask_token_id=engine.mask_token_id)
+
+    first = new_process()
+    kinds = {"tile_rows"} if blockq.tiles_active() else {"avx512", "buffered_rows"}
+    assert first.block_rows == 6 and set(calls) == {*kinds, "block_rows"} and set(calls.values()) == {1}
+    assert first.stored_choices is not None and first.stored_choices.path.is_file()
+    second = new_process()
+    assert second.block_rows == 6 and set(calls.values()) == {1}  # read back: nothing timed
+    assert second.stored_choices is not None and set(second.stored_choices.read) == {*kinds, "block_rows"}
+    monkeypatch.setenv(CHOICES_ENV, "measure")
+    new_process()
+    assert set(calls.values()) == {2}

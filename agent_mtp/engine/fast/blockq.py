@@ -519,6 +519,12 @@ def _compiler() -> str | None:
     return shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
 
 
+def build_key() -> str:
+    """The loaded kernels' build key (a hash of their source, torch, the compiler and its flags); "" where they are
+    not loaded."""
+    return _compiled_library().stem.removeprefix("blockq-") if kernels_available() else ""
+
+
 def _compiled_library() -> Path:
     from torch.utils import cpp_extension
 

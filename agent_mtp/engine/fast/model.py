@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from agent_mtp.engine.fast import blockq
 from agent_mtp.engine.fast.cache import KVCache
+from agent_mtp.engine.fast.choices import StoredChoices, row_pair, whole_number
 from agent_mtp.engine.fast.weights import (
     BLOCKS_EVERY_PASS,
     CROSSOVER_BYTES,
@@ -141,6 +142,21 @@ def _cat_bias(biases: Sequence[torch.Tensor | None], sizes: Sequence[int]) -> to
     if all(b is None for b in biases):
         return None
     return torch.cat([b if b is not None else torch.zeros(s) for b, s in zip(biases, sizes, strict=True)])
+
+
+def _stored_choices(linears: Sequence[PackedLinear]) -> StoredChoices:
+    """This machine's stored kernel choices for weights of these shapes, passed on this thread's pool."""
+    from agent_mtp.engine.loading import cache_root
+
+    shapes = [
+        (
+            linear.in_features,
+            linear.out_features,
+            linear.blocks.kind if linear.blocks is not None else str(linear.dtype),
+        )
+        for linear in linears
+    ]
+    return StoredChoices.open(cache_root(), build=blockq.build_key(), shapes=shapes, threads=torch.get_num_threads())
 
 
 def source_signature(model: Any) -> tuple[int, ...]:
@@ -282,19 +298,33 @@ class FastModel:
 
     def _settle_block_rows(self) -> int:
         linears = self._linears()
+        self.stored_choices: StoredChoices | None = None
+        """This machine's stored kernel choices (None where the model is too small to time, or has no blocks)."""
         if all(linear.blocks is None for linear in linears):
             return 0
         rows = blockq.pinned_rows()
         large = sum(linear.nbytes() for linear in linears) >= CROSSOVER_BYTES
-        if large and not blockq.tiles_active():  # the kernel form first: the crossover is measured on it
-            blockq.settle_avx512(lambda: measure_avx512(linears))
-            blockq.settle_buffered_rows(lambda: measure_buffered_rows(linears))
-        if large and blockq.tiles_active():  # which passes the tiles serve and which VNNI (the same bits)
-            blockq.settle_tile_rows(lambda: measure_tile_rows(linears))
-        if rows is None and large:
-            rows = measure_block_rows(linears)
-            reach = "every pass" if rows >= BLOCKS_EVERY_PASS else f"passes of up to {rows} rows"
-            log.info("Block weights serve %s here (measured against the float32 GEMM)", reach)
+        if large:  # measured once per machine (choices.py): each is timed only where the machine has none stored
+            stored = self.stored_choices = _stored_choices(linears)
+            if not blockq.tiles_active():  # the kernel form first: the crossover is measured on it
+                blockq.settle_avx512(lambda: stored.get("avx512", lambda: measure_avx512(linears), int, blockq.Wide))
+                blockq.settle_buffered_rows(
+                    lambda: stored.get("buffered_rows", lambda: measure_buffered_rows(linears), int, whole_number)
+                )
+            else:  # which passes the tiles serve and which VNNI (the same bits)
+                blockq.settle_tile_rows(
+                    lambda: stored.get(
+                        "tile_rows",
+                        lambda: measure_tile_rows(linears),
+                        lambda t: [t.exact, t.drafted],
+                        lambda v: blockq.TileRows(*row_pair(v)),
+                    )
+                )
+            if rows is None:
+                rows = stored.get("block_rows", lambda: measure_block_rows(linears), int, whole_number)
+                reach = "every pass" if rows >= BLOCKS_EVERY_PASS else f"passes of up to {rows} rows"
+                log.info("Block weights serve %s here (as measured against the float32 GEMM)", reach)
+            stored.save()
         rows = blockq.MAX_ROWS if rows is None else rows
         for linear in linears:
             linear.block_rows = rows
