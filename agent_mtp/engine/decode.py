@@ -107,7 +107,8 @@ def decode(
         state.sources = _draft_sources(state, cfg)
     finish: FinishReason | None = None
     # greedy runs (_greedy_run) where the runner chains passes: ntp, and verified where no draft could pay
-    chains = cfg.mode in ("ntp", "verified") and isinstance(runner, GreedyRunRunner)
+    # (and static / ConfAdapt with k_max="auto" where the planner's k is 1 until its next exploring pass)
+    chains = isinstance(runner, GreedyRunRunner) and (cfg.mode in ("ntp", "verified") or setup.planner.auto_k)
     while finish is None:
         if cfg.max_time is not None and stats.forward_passes and time.perf_counter() - start >= cfg.max_time:
             finish = "timeout"
@@ -158,7 +159,9 @@ def _greedy_run_steps(
 ) -> tuple[int | None, _NgramWatch | None]:
     """How many passes the next greedy run takes (:data:`GREEDY_RUN` at most, the token budget), and for a
     ``verified`` run what ends it early: a plain greedy step (no constraint, one pending token, after the prefill) on
-    a runner that chains passes (``chains``): every such ``ntp`` step, and a ``verified`` one where no draft could pay
+    a runner that chains passes (``chains``): every such ``ntp`` step, a static / ConfAdapt one (``k_max="auto"``)
+    where the planner's k is 1 up to its next exploring pass (:meth:`Planner.plain_k_run`), and a ``verified`` one
+    where no draft could pay
     this pass (:func:`_plain_if_hopeless` without the prompt lookup, which has no match worth verifying now), up to
     the planner's next exploring pass, ended by the first token after which the lookup has one (the watch: alone,
     most passes of free text find none, and each paid a decode step in Python, ~0.45 ms a pass). 0 for a pass of the
@@ -166,8 +169,10 @@ def _greedy_run_steps(
     plain = cfg.temperature <= 0 and constraint is None and len(state.pending) == 1
     if not (chains and plain and stats.forward_passes) or budget < 2:
         return None, None
-    if cfg.mode != "verified":
+    if cfg.mode == "ntp":
         return min(GREEDY_RUN, budget), None
+    if cfg.mode != "verified":  # static / ConfAdapt: a run where the planner's k is 1 (0: the loop's own pass)
+        return setup.planner.plain_k_run(min(GREEDY_RUN, budget)) or None, None
     watch = _ngram_watch(state, cfg, setup.planner, budget)
     if watch is not None and watch.matches():  # a draft worth verifying: the loop's own pass
         return 0, None
@@ -228,7 +233,7 @@ def _greedy_run(
         tokens, ended = runner.greedy_steps(
             state.pending[0], steps, setup.eos_token_ids | set(cfg.stop_token_ids), watch
         )
-    if cfg.mode == "verified" and len(tokens) < steps:  # ended early (the watch, a stop token): not all made
+    if cfg.mode != "ntp" and len(tokens) < steps:  # ended early (the watch, a stop token): not all made
         setup.planner.unplanned(steps - len(tokens))
     for i, token in enumerate(tokens):
         stats.forward_passes += 1

@@ -242,6 +242,31 @@ class Planner:
         self._passes += 1
         if self.explore_every and self._passes % self.explore_every == 0:
             return 1 + self._explore_masks(fed_without_masks, 0, self.k_cap - 1, self.curve.cost)
+        return self._best_k(fed_without_masks)
+
+    def plain_k_run(self, limit: int) -> int:
+        """static / confadapt with ``k_max="auto"``, a pass of one pending token: how many passes in a row, from the
+        next one, :meth:`_choose_k` would make without masks (at most ``limit``, up to the next exploring pass),
+        counted as made (:meth:`unplanned` takes back those a run that ends early did not make); 0 where the next pass
+        takes masks. The rates learn only from passes with masks, so a k of 1 holds until an exploring pass: a
+        greedy run of the runner's own makes those passes, as ``ntp``'s, instead of one decode step in Python each
+        (the demo's ConfAdapt made every pass of a reasoning step without masks and ran 0.88x ``ntp``)."""
+        if self.mode == "ntp" or self.mode == "verified" or not self.auto_k or self.curve is None or limit < 1:
+            return 0
+        following = self._passes + 1
+        if self.explore_every and following % self.explore_every == 0:
+            return 0
+        if self._best_k(1) != 1:
+            return 0
+        run = limit
+        if self.explore_every:  # passes before the next exploring one
+            run = min(run, self.explore_every - following % self.explore_every)
+        self._passes += run
+        return run
+
+    def _best_k(self, fed_without_masks: int) -> int:
+        """The k maximising E[tokens | k] / cost (see :meth:`_choose_k`)."""
+        assert self.curve is not None, 'k_max="auto" needs a cost curve'
         gains = expected_accepted(self.rates.positions)
         here = _marginal(self.curve.costs(fed_without_masks, self.k_cap))  # [m]: this pass with m masks
         refeed = self.curve.costs(1, self.k_cap)  # [a]: the next pass feeding a accepted mask tokens too

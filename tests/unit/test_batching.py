@@ -582,3 +582,35 @@ def test_the_two_segment_fit_is_linear_in_the_points_and_finds_each_knees_least_
             assert got[3] == expected[3], trial
             assert got[:3] == pytest.approx(expected[:3], rel=1e-6, abs=1e-9), trial
     assert found > 30
+
+
+@pytest.mark.parametrize("mode", ["confadapt", "static"])
+def test_auto_k_takes_greedy_runs_where_its_k_is_one(monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+    """static / ConfAdapt with k_max="auto", where masks cost more than they are expected to return (a row costs a
+    pass), make their passes without masks as greedy runs of the runner's own, up to the planner's next exploring
+    pass: the same tokens and the same passes with masks as the loop making every pass itself."""
+    engine = tiny_engine(adapter=True)
+    # a row adds 0.45 of a pass: a mask does not pay at the prior rates, but an exploring pass can afford one
+    engine.set_cost_curve(CostCurve(tuple((n, 1.0 + 0.45 * (n - 1)) for n in (1, 2, 4, 8, 16, 32))))
+    runs: list[int] = []
+    real = FastRunner.greedy_steps
+
+    def counted(
+        self: FastRunner, first: int, steps: int, stop_ids: frozenset[int], until: Callable[[int], bool] | None = None
+    ) -> tuple[list[int], list[float]]:
+        runs.append(steps)
+        return real(self, first, steps, stop_ids, until)
+
+    monkeypatch.setattr(FastRunner, "greedy_steps", counted)
+    cfg = DecodeConfig(mode=mode, k_max="auto", threshold=0.5, max_new_tokens=40, prefix_cache=False)  # type: ignore[arg-type]
+    for seed in range(3):
+        prompt = _ids(10, 40 + seed)
+        own = list(engine.stream(prompt, cfg, runner=_one_pass_runner(engine)))
+        runs.clear()
+        chained = list(engine.stream(prompt, cfg, runner=engine.new_runner()))
+        assert [c.token_ids for c in chained] == [c.token_ids for c in own]
+        mine, theirs = chained[-1].stats, own[-1].stats
+        assert mine is not None and theirs is not None
+        assert (mine.forward_passes, mine.k_used) == (theirs.forward_passes, theirs.k_used)
+        assert any(k > 1 for k in theirs.k_used)  # exploring passes took masks, as without runs
+        assert runs and sum(runs) >= mine.forward_passes // 2  # most plain passes made in runs
