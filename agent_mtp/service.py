@@ -331,6 +331,14 @@ class Service:
         async for delta in _iterate_in_thread(self.stream(request, cancel=cancel), cancel):
             yield delta
 
+    async def astream_bursts(self, request: Request) -> AsyncIterator[list[Delta]]:
+        """:meth:`astream`, the deltas that had arrived when the consumer came back for more handed over together
+        (at least one, in order): a front end that sends one message per burst instead of one per delta keeps up
+        with a greedy run's tokens, which arrive at once, and with many streams on one event loop."""
+        cancel = threading.Event()
+        async for burst in _iterate_in_thread(self.stream(request, cancel=cancel), cancel, bursts=True):
+            yield burst
+
     def close(self) -> None:
         """Stop the batch scheduler (concurrency="batched"); in-flight generations get an error."""
         if isinstance(self.decoder, BatchedEngine):
@@ -676,9 +684,12 @@ def _mailbox(loop: asyncio.AbstractEventLoop) -> _Mailbox:
         return box
 
 
-async def _iterate_in_thread(iterator: Iterator[Any], cancel: threading.Event) -> AsyncIterator[Any]:
+async def _iterate_in_thread(
+    iterator: Iterator[Any], cancel: threading.Event, *, bursts: bool = False
+) -> AsyncIterator[Any]:
     """Drive a blocking iterator in one worker thread; items arrive through a queue, the event loop never
-    blocks. Stopping early sets ``cancel`` so the worker stops at its next item (releasing the engine)."""
+    blocks. Stopping early sets ``cancel`` so the worker stops at its next item (releasing the engine). ``bursts``:
+    yield lists, each item with those queued behind it (an error or the end after them comes next)."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[tuple[Any, BaseException | None]] = asyncio.Queue()
     mailbox = _mailbox(loop)
@@ -713,7 +724,17 @@ async def _iterate_in_thread(iterator: Iterator[Any], cancel: threading.Event) -
                 raise error
             if item is _DONE:
                 break
-            yield item
+            if not bursts:
+                yield item
+                continue
+            burst = [item]
+            while not queue.empty():
+                following = queue.get_nowait()
+                if following[1] is not None or following[0] is _DONE:
+                    queue.put_nowait(following)  # the queue was drained up to it: it is read next, in order
+                    break
+                burst.append(following[0])
+            yield burst
     finally:
         cancel.set()
         if worker.done():

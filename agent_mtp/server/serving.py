@@ -245,13 +245,27 @@ class ChatServing:
         try:
             yield self._chunk(call, ChoiceDelta(role="assistant", content=""))
             index = 0
-            async for delta in self.service.astream(call.request):
-                if delta.content or delta.tool_call_chunks:
-                    calls = [_tool_call_delta(c, index + i) for i, c in enumerate(delta.tool_call_chunks)]
-                    index += len(calls)
-                    yield self._chunk(call, ChoiceDelta(content=delta.content or None, tool_calls=calls or None))
-                if delta.result is not None:
-                    yield self._last(call, delta, include_usage)
+            # the deltas that arrived together (a greedy run's tokens, a busy event loop's backlog) go out as one
+            # write, their text as one chunk: each message costs the serializer, the socket and, behind Ray Serve,
+            # the handle's relay, whatever it carries
+            async for burst in self.service.astream_bursts(call.request):
+                events: list[str] = []
+                text: list[str] = []
+                for delta in burst:
+                    if delta.content and not delta.tool_call_chunks:
+                        text.append(delta.content)
+                    elif delta.content or delta.tool_call_chunks:
+                        self._flush_text(call, text, events)
+                        calls = [_tool_call_delta(c, index + i) for i, c in enumerate(delta.tool_call_chunks)]
+                        index += len(calls)
+                        events.append(
+                            self._chunk(call, ChoiceDelta(content=delta.content or None, tool_calls=calls or None))
+                        )
+                    if delta.result is not None:
+                        self._flush_text(call, text, events)
+                        events.append(self._last(call, delta, include_usage))
+                self._flush_text(call, text, events)
+                yield "".join(events)
             yield "data: [DONE]\n\n"
         except Exception as e:
             error = from_exception(e)
@@ -268,6 +282,12 @@ class ChatServing:
         data = chunk.model_dump(exclude_none=True)
         data["choices"][0]["finish_reason"] = finish  # null until the last chunk, as OpenAI sends it
         return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+    def _flush_text(self, call: _Call, text: list[str], events: list[str]) -> None:
+        """Append one content chunk of the ``text`` gathered so far to ``events`` and empty it (nothing if none)."""
+        if text:
+            events.append(self._chunk(call, ChoiceDelta(content="".join(text))))
+            text.clear()
 
     def _last(self, call: _Call, delta: Delta, include_usage: bool) -> str:
         result = delta.result

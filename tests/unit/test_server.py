@@ -388,3 +388,59 @@ async def test_a_stream_never_read_frees_its_slot(engine: MTPEngine) -> None:
     assert serving.admission.active == 0
     async with serving.admission.slot():  # the only slot is free again
         assert serving.admission.active == 1
+
+
+async def test_deltas_that_arrive_together_go_out_in_one_write_their_text_as_one_chunk(
+    engine: MTPEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A burst of deltas (a greedy run's tokens, a busy loop's backlog) is one SSE write whose text is one chunk,
+    then the last chunk; the same deltas one at a time give the same text in more chunks."""
+    from agent_mtp.server.protocol import ChatCompletionRequest
+    from agent_mtp.server.serving import ChatServing
+
+    serving = ChatServing(Service(engine), _settings(mode="ntp"))
+    body = ChatCompletionRequest.model_validate(_body(max_tokens=12, stream=True))
+
+    async def sent(bursts: Any) -> list[str]:
+        monkeypatch.setattr(serving.service, "astream_bursts", bursts)
+        return [event async for event in await serving.stream(body)]
+
+    deltas = list(serving.service.stream(serving.to_service_request(body, timeout=60)))
+    assert len([d for d in deltas if d.content]) > 2 and deltas[-1].result is not None
+
+    async def together(request: Any) -> Any:
+        yield list(deltas)
+
+    async def apart(request: Any) -> Any:
+        for delta in deltas:
+            yield [delta]
+
+    one, many = await sent(together), await sent(apart)
+    assert len(one) == 3 and one[-1] == "data: [DONE]\n\n"  # the role chunk, the burst, [DONE]
+    burst = [json.loads(e[len("data: ") :]) for e in one[1].split("\n\n") if e]
+    assert len(burst) == 2  # the text in one chunk, then the last chunk
+    text = "".join(d.content for d in deltas)
+    assert burst[0]["choices"][0]["delta"]["content"] == text and burst[1]["choices"][0]["finish_reason"]
+    chunks = [json.loads(e[len("data: ") :]) for w in many[1:-1] for e in w.split("\n\n") if e]
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == text and len(chunks) > 2
+
+
+async def test_bursts_keep_every_item_in_order_and_raise_after_them() -> None:
+    """``_iterate_in_thread(bursts=True)``: however the items group, they come in order, each once, and an error
+    the iterator raised after them comes after the last burst."""
+    import threading as th
+
+    from agent_mtp.service import _iterate_in_thread
+
+    def items() -> Iterator[int]:
+        yield from range(50)
+        raise ValueError("after 50")
+
+    seen: list[int] = []
+    with pytest.raises(ValueError, match="after 50"):
+        async for burst in _iterate_in_thread(items(), th.Event(), bursts=True):
+            assert isinstance(burst, list) and burst
+            seen.extend(burst)
+    assert seen == list(range(50))
+    done = [b async for b in _iterate_in_thread(iter(range(7)), th.Event(), bursts=True)]
+    assert [x for b in done for x in b] == list(range(7))
