@@ -161,11 +161,10 @@ def _greedy_run_steps(
     ``verified`` run what ends it early: a plain greedy step (no constraint, one pending token, after the prefill) on
     a runner that chains passes (``chains``): every such ``ntp`` step, a static / ConfAdapt one (``k_max="auto"``)
     where the planner's k is 1 up to its next exploring pass (:meth:`Planner.plain_k_run`), and a ``verified`` one
-    where no draft could pay
-    this pass (:func:`_plain_if_hopeless` without the prompt lookup, which has no match worth verifying now), up to
-    the planner's next exploring pass, ended by the first token after which the lookup has one (the watch: alone,
-    most passes of free text find none, and each paid a decode step in Python, ~0.45 ms a pass). 0 for a pass of the
-    loop's own whose hopelessness was ruled out here, None where it was not asked."""
+    where no draft could pay this pass (:func:`_plain_if_hopeless` without the prompt lookup, which has no match
+    worth verifying now), up to the planner's next exploring pass, ended by the first token after which the lookup
+    has one (the watch: alone, most passes of free text find none, and each paid a decode step in Python, ~0.45 ms a
+    pass). 0 for a pass of the loop's own whose hopelessness was ruled out here, None where it was not asked."""
     plain = cfg.temperature <= 0 and constraint is None and len(state.pending) == 1
     if not (chains and plain and stats.forward_passes) or budget < 2:
         return None, None

@@ -250,7 +250,8 @@ class Planner:
         counted as made (:meth:`unplanned` takes back those a run that ends early did not make); 0 where the next pass
         takes masks. The rates learn only from passes with masks, so a k of 1 holds until an exploring pass: a
         greedy run of the runner's own makes those passes, as ``ntp``'s, instead of one decode step in Python each
-        (the demo's ConfAdapt made every pass of a reasoning step without masks and ran 0.88x ``ntp``)."""
+        (paired on Zen 4 over the quick suite: ConfAdapt 0.880x ``ntp`` with runs, 0.876x pass by pass; what it
+        loses there is its mask passes, docs/benchmarks.md)."""
         if self.mode == "ntp" or self.mode == "verified" or not self.auto_k or self.curve is None or limit < 1:
             return 0
         following = self._passes + 1

@@ -265,7 +265,8 @@ class ChatServing:
                         self._flush_text(call, text, events)
                         events.append(self._last(call, delta, include_usage))
                 self._flush_text(call, text, events)
-                yield "".join(events)
+                if events:  # (deltas without content or tool calls send nothing, as before)
+                    yield "".join(events)
             yield "data: [DONE]\n\n"
         except Exception as e:
             error = from_exception(e)

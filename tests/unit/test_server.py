@@ -3,6 +3,7 @@ pressure (429, deadlines, disconnects, shutdown). Real HTTP where it matters (uv
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import threading
@@ -415,7 +416,13 @@ async def test_deltas_that_arrive_together_go_out_in_one_write_their_text_as_one
         for delta in deltas:
             yield [delta]
 
+    async def quiet_first(request: Any) -> Any:  # a burst of deltas with nothing to send sends nothing
+        yield [dataclasses.replace(deltas[0], content="", tool_call_chunks=[], result=None)]
+        yield list(deltas)
+
     one, many = await sent(together), await sent(apart)
+    quiet = await sent(quiet_first)
+    assert len(quiet) == 3 and all(quiet)  # no empty write for the quiet burst
     assert len(one) == 3 and one[-1] == "data: [DONE]\n\n"  # the role chunk, the burst, [DONE]
     burst = [json.loads(e[len("data: ") :]) for e in one[1].split("\n\n") if e]
     assert len(burst) == 2  # the text in one chunk, then the last chunk
