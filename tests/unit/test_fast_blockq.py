@@ -1209,3 +1209,35 @@ def test_kernel_choices_are_measured_once_per_machine_and_read_back(
     monkeypatch.setenv(CHOICES_ENV, "measure")
     new_process()
     assert set(calls.values()) == {2}
+
+
+def test_block_linears_pack_their_float32_weights_only_when_a_pass_reads_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A linear with blocks lays its float32 weights out for oneDNN at the first pass that reads them (or when the
+    fast model's crossover leaves long passes to them), never where the blocks serve every pass; without blocks at
+    once. Same products either way."""
+    from agent_mtp.engine.fast import weights
+    from agent_mtp.engine.fast.weights import PackedLinear
+
+    if not weights._can_prepack(torch.zeros(1, 1)):
+        pytest.skip("oneDNN cannot pre-pack float32 weights here")
+    packs: list[int] = []
+    reorder = weights._reorder
+    monkeypatch.setattr(weights, "_reorder", lambda dense, hint: packs.append(1) or reorder(dense, hint))
+    w = q4_1(torch.randn(64, 128))
+    x = torch.randn(5, 128)
+    lazy = PackedLinear(w)
+    assert lazy.blocks is not None and not lazy.packed and not packs
+    torch.testing.assert_close(lazy.dense_product(x), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    assert lazy.packed and packs == [1]
+    lazy.dense_product(x)
+    assert packs == [1]  # once
+    released = PackedLinear(w)
+    released.release_dense()
+    released.pack()
+    assert packs == [1] and not released.packed  # the blocks serve every pass: never packed
+    eager = PackedLinear(torch.randn(64, 128))  # no blocks
+    assert eager.blocks is None and eager.packed and packs == [1, 1]
+    engine = _engine("plain-llama", adapter=False)
+    monkeypatch.setenv(blockq.ROWS_ENV, "7")  # long passes read the float32 weights: packed with the model
+    fast = FastModel.from_hf(engine.model, mask_token_id=engine.mask_token_id)
+    assert all(linear.packed for linear in fast._linears() if linear.blocks is not None)

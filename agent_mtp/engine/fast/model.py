@@ -332,6 +332,9 @@ class FastModel:
             released = sum(linear.release_dense() for linear in linears)
             _return_freed_memory()
             log.info("Released %.0f MB of float32 weights that no pass reads", released / 2**20)
+        else:  # longer passes read them: packed now, not in the first such pass (a request's prefill)
+            for linear in linears:
+                linear.pack()
         return rows
 
     def new_cache(self, capacity: int = 256) -> KVCache:
