@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from agent_mtp.engine.files import write_atomically
+from agent_mtp.engine.files import exclusive, write_atomically
 
 CURVE_POINTS = (1, 2, 3, 4, 8, 16, 32)
 MEMO_FIRST = 64
@@ -211,16 +211,18 @@ def _relative(samples: dict[int, list[float]], points: Sequence[int], base: floa
 
 
 def load_or_measure(path: Path, measure: Callable[[], CostCurve]) -> CostCurve:
-    """The curve stored at ``path``, else ``measure()``'s, stored there (an unwritable cache is skipped)."""
-    if path.is_file():
-        try:
-            return CostCurve.from_json(path.read_text())
-        except (ValueError, KeyError, json.JSONDecodeError):
-            pass
-    curve = measure()
-    with contextlib.suppress(OSError):
-        store_curve(path, curve)
-    return curve
+    """The curve stored at ``path``, else ``measure()``'s, stored there (an unwritable cache is skipped); one
+    process measures at a time (:func:`exclusive`): one that waited reads what the other stored."""
+    with exclusive(path):
+        if path.is_file():
+            try:
+                return CostCurve.from_json(path.read_text())
+            except (ValueError, KeyError, json.JSONDecodeError):
+                pass
+        curve = measure()
+        with contextlib.suppress(OSError):
+            store_curve(path, curve)
+        return curve
 
 
 def store_curve(path: Path, curve: CostCurve) -> None:

@@ -167,3 +167,70 @@ def test_measure_machine_stores_the_cost_curve_that_the_next_engine_reads(
     again = _engine("plain-llama", adapter=True)
     monkeypatch.setattr(again, "measure_cost_curve", lambda: pytest.fail("the stored curve was not read"))
     assert again.cost_curve == engine.cost_curve
+
+
+def test_one_process_measures_at_a_time_and_the_one_that_waited_reads_what_was_stored(tmp_path: Path) -> None:
+    """Two preparers of the same cost curve at once (threads here; replicas starting together in a fleet): the
+    second waits on the file's lock while the first measures, then reads the stored curve instead of measuring."""
+    import threading
+
+    from agent_mtp.engine.cost import CostCurve, load_or_measure
+
+    path = tmp_path / "cost_curves" / "curve.json"
+    curve = CostCurve(((1, 1.0), (2, 1.2), (4, 1.7)))
+    measuring, release = threading.Event(), threading.Event()
+    measured: list[str] = []
+
+    def slow_measure() -> CostCurve:
+        measured.append("first")
+        measuring.set()
+        assert release.wait(10)
+        return curve
+
+    got: dict[str, CostCurve] = {}
+    first = threading.Thread(target=lambda: got.update(first=load_or_measure(path, slow_measure)))
+    first.start()
+    assert measuring.wait(10)
+    second = threading.Thread(
+        target=lambda: got.update(second=load_or_measure(path, lambda: measured.append("second") or curve))
+    )
+    second.start()
+    second.join(0.3)
+    assert second.is_alive() and "second" not in got  # waiting on the lock, not measuring
+    release.set()
+    first.join(10)
+    second.join(10)
+    assert measured == ["first"] and got["first"] == got["second"] == curve
+
+
+def test_kernel_choices_are_settled_under_the_files_lock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``StoredChoices.settling``: a second settler of the same machine, shapes and threads waits for the first and
+    reads its stored choice."""
+    import threading
+
+    monkeypatch.delenv(CHOICES_ENV, raising=False)
+    measuring, release = threading.Event(), threading.Event()
+    values: dict[str, int] = {}
+    calls: list[str] = []
+
+    def settle(name: str, value: int) -> None:
+        def measure() -> int:
+            calls.append(name)
+            measuring.set()
+            assert release.wait(10)
+            return value
+
+        with StoredChoices.settling(tmp_path, build="b1", shapes=SHAPES, threads=2) as stored:
+            values[name] = stored.get("block_rows", measure, int, whole_number)
+
+    first = threading.Thread(target=settle, args=("first", 12))
+    first.start()
+    assert measuring.wait(10)
+    second = threading.Thread(target=settle, args=("second", 4))
+    second.start()
+    second.join(0.3)
+    assert second.is_alive()
+    release.set()
+    first.join(10)
+    second.join(10)
+    assert calls == ["first"] and values == {"first": 12, "second": 12}

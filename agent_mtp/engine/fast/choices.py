@@ -24,12 +24,12 @@ import json
 import logging
 import os
 import platform
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from agent_mtp.engine.files import write_atomically
+from agent_mtp.engine.files import exclusive, write_atomically
 from agent_mtp.errors import ConfigError
 
 log = logging.getLogger("agent_mtp.engine.fast")
@@ -104,11 +104,23 @@ class StoredChoices:
     def open(cls, root: Path, *, build: str, shapes: Sequence[tuple[Any, ...]], threads: int) -> StoredChoices:
         """The stored choices of this machine (:func:`machine_key` of ``build``) for weights of ``shapes`` passed on
         ``threads`` threads, under ``root``; empty where there are none yet, or in ``measure`` mode."""
-        name = f"{machine_key(build)}-{shape_key(shapes)}-t{threads}.json"
-        stored = cls(root / "kernel_choices" / name, measure_all=choices_mode() == "measure")
+        stored = cls(_path(root, build, shapes, threads), measure_all=choices_mode() == "measure")
         if not stored.measure_all:
             stored.values = _read(stored.path)
         return stored
+
+    @classmethod
+    @contextlib.contextmanager
+    def settling(
+        cls, root: Path, *, build: str, shapes: Sequence[tuple[Any, ...]], threads: int
+    ) -> Iterator[StoredChoices]:
+        """:meth:`open` and, after the block, :meth:`save`, holding the file's lock (:func:`exclusive`) throughout:
+        processes preparing the same model at once (replicas) measure one at a time, and one that waited reads what
+        the other stored."""
+        with exclusive(_path(root, build, shapes, threads)):
+            stored = cls.open(root, build=build, shapes=shapes, threads=threads)
+            yield stored
+            stored.save()
 
     def get(self, name: str, measure: Callable[[], T], encode: Callable[[T], Any], decode: Callable[[Any], T]) -> T:
         """The stored choice ``name`` (``decode`` of its JSON value), else ``measure()``'s, kept for :meth:`save` as
@@ -152,6 +164,10 @@ class StoredChoices:
             )
             return
         log.info("Kernel choices measured and stored in %s (%s)", self.path, ", ".join(self.measured))
+
+
+def _path(root: Path, build: str, shapes: Sequence[tuple[Any, ...]], threads: int) -> Path:
+    return root / "kernel_choices" / f"{machine_key(build)}-{shape_key(shapes)}-t{threads}.json"
 
 
 def _read(path: Path) -> dict[str, Any]:

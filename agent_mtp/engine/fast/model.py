@@ -17,6 +17,7 @@ import logging
 import math
 import threading
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -144,8 +145,9 @@ def _cat_bias(biases: Sequence[torch.Tensor | None], sizes: Sequence[int]) -> to
     return torch.cat([b if b is not None else torch.zeros(s) for b, s in zip(biases, sizes, strict=True)])
 
 
-def _stored_choices(linears: Sequence[PackedLinear]) -> StoredChoices:
-    """This machine's stored kernel choices for weights of these shapes, passed on this thread's pool."""
+def _stored_choices(linears: Sequence[PackedLinear]) -> AbstractContextManager[StoredChoices]:
+    """This machine's stored kernel choices for weights of these shapes, passed on this thread's pool, locked and
+    saved around the block (:meth:`StoredChoices.settling`)."""
     from agent_mtp.engine.loading import cache_root
 
     shapes = [
@@ -156,7 +158,33 @@ def _stored_choices(linears: Sequence[PackedLinear]) -> StoredChoices:
         )
         for linear in linears
     ]
-    return StoredChoices.open(cache_root(), build=blockq.build_key(), shapes=shapes, threads=torch.get_num_threads())
+    return StoredChoices.settling(
+        cache_root(), build=blockq.build_key(), shapes=shapes, threads=torch.get_num_threads()
+    )
+
+
+def _settle_choices(stored: StoredChoices, linears: Sequence[PackedLinear], rows: int | None) -> int | None:
+    """Settle the process's kernel choices from ``stored`` (timing those it lacks) and return the crossover (``rows``
+    where the environment pinned it)."""
+    if not blockq.tiles_active():  # the kernel form first: the crossover is measured on it
+        blockq.settle_avx512(lambda: stored.get("avx512", lambda: measure_avx512(linears), int, blockq.Wide))
+        blockq.settle_buffered_rows(
+            lambda: stored.get("buffered_rows", lambda: measure_buffered_rows(linears), int, whole_number)
+        )
+    else:  # which passes the tiles serve and which VNNI (the same bits)
+        blockq.settle_tile_rows(
+            lambda: stored.get(
+                "tile_rows",
+                lambda: measure_tile_rows(linears),
+                lambda t: [t.exact, t.drafted],
+                lambda v: blockq.TileRows(*row_pair(v)),
+            )
+        )
+    if rows is None:
+        rows = stored.get("block_rows", lambda: measure_block_rows(linears), int, whole_number)
+        reach = "every pass" if rows >= BLOCKS_EVERY_PASS else f"passes of up to {rows} rows"
+        log.info("Block weights serve %s here (as measured against the float32 GEMM)", reach)
+    return rows
 
 
 def source_signature(model: Any) -> tuple[int, ...]:
@@ -305,26 +333,9 @@ class FastModel:
         rows = blockq.pinned_rows()
         large = sum(linear.nbytes() for linear in linears) >= CROSSOVER_BYTES
         if large:  # measured once per machine (choices.py): each is timed only where the machine has none stored
-            stored = self.stored_choices = _stored_choices(linears)
-            if not blockq.tiles_active():  # the kernel form first: the crossover is measured on it
-                blockq.settle_avx512(lambda: stored.get("avx512", lambda: measure_avx512(linears), int, blockq.Wide))
-                blockq.settle_buffered_rows(
-                    lambda: stored.get("buffered_rows", lambda: measure_buffered_rows(linears), int, whole_number)
-                )
-            else:  # which passes the tiles serve and which VNNI (the same bits)
-                blockq.settle_tile_rows(
-                    lambda: stored.get(
-                        "tile_rows",
-                        lambda: measure_tile_rows(linears),
-                        lambda t: [t.exact, t.drafted],
-                        lambda v: blockq.TileRows(*row_pair(v)),
-                    )
-                )
-            if rows is None:
-                rows = stored.get("block_rows", lambda: measure_block_rows(linears), int, whole_number)
-                reach = "every pass" if rows >= BLOCKS_EVERY_PASS else f"passes of up to {rows} rows"
-                log.info("Block weights serve %s here (as measured against the float32 GEMM)", reach)
-            stored.save()
+            with _stored_choices(linears) as stored:
+                self.stored_choices = stored
+                rows = _settle_choices(stored, linears, rows)
         rows = blockq.MAX_ROWS if rows is None else rows
         for linear in linears:
             linear.block_rows = rows
