@@ -222,10 +222,8 @@ def _kernel_choice_row(name: str, value: object) -> tuple[str, str]:
     from agent_mtp.engine.fast import blockq
     from agent_mtp.engine.fast.weights import BLOCKS_EVERY_PASS
 
-    if name == "avx512" and isinstance(value, int):
-        return "kernel classes in their AVX-512 form", {0: "none", 1: "row kernels", 2: "lane kernels"}.get(
-            value, "both"
-        )
+    if name == "avx512" and isinstance(value, int) and 0 <= value <= blockq.Wide.ALL:
+        return "kernels in their AVX-512 form", blockq.forms_name(blockq.Wide(value))
     if name == "buffered_rows":
         return "AVX2 lane passes multiply buffered weights", f"from {value} rows"
     if name == "block_rows" and isinstance(value, int):

@@ -211,7 +211,7 @@ def settle_avx512(measure: Callable[[], Wide]) -> Wide:
         if not _settled:
             if kernels_available() and pinned_forms() is None:
                 torch.ops.agent_mtp_blockq.avx512_forms(int(measure()))
-                log.info("Block kernels: AVX-512 forms for %s (the faster here)", _forms_name(avx512_forms()))
+                log.info("Block kernels: AVX-512 forms for %s (the faster here)", forms_name(avx512_forms()))
             _settled.append(avx512_forms())
         return _settled[0]
 
@@ -356,7 +356,8 @@ def settle_tile_rows(measure: Callable[[], TileRows]) -> TileRows:
         return _tiles_settled[0]
 
 
-def _forms_name(forms: Wide) -> str:
+def forms_name(forms: Wide) -> str:
+    """The kernel classes ``forms`` names, in words (logs, `agent-mtp measure-machine`)."""
     return {Wide.NONE: "no class", Wide.ROWS: "the row kernels", Wide.LANES: "the lane kernels"}.get(
         forms, "both kernel classes"
     )
