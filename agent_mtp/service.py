@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import dataclasses
+import gc
 import json
 import threading
 import weakref
@@ -439,7 +440,19 @@ def shared_engine(model: str, *, adapter: str | None = "auto", dtype: str = "flo
         if engine is None:
             engine = MTPEngine.from_pretrained(model, adapter=adapter, dtype=dtype)
             _ENGINES[key] = engine
+            freeze_loaded_objects()
     return engine
+
+
+def freeze_loaded_objects() -> None:
+    """Take every object alive now out of the cyclic garbage collector's scans (``gc.freeze``), after collecting the
+    garbage there is: the model's modules, the tokenizer and the imported libraries (~380k objects with the default
+    model) stay for the process's life, and a long-lived process (a server, a Ray replica, an agent) otherwise walks
+    all of them in every full collection, 160-230 ms with the GIL held while every stream waits (measured: one such
+    pause in 30 s of 8 clients' `verified` requests; a full collection after the freeze took under 1 ms). Frozen
+    objects are still freed by reference counting; only a cycle among them that becomes garbage later is kept."""
+    gc.collect()
+    gc.freeze()
 
 
 def loaded_engine(model: str) -> MTPEngine | None:

@@ -172,3 +172,27 @@ def test_a_closed_loop_refuses_posts() -> None:
     with pytest.raises(RuntimeError):  # and stays closed, holding nothing
         box.post(queue, 2)
     assert box._items == []
+
+
+def test_shared_engine_freezes_what_loading_left_alive(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first load of an engine takes the objects alive then out of the collector's scans (their full
+    collections stalled every stream); a second request for the same engine freezes nothing more."""
+    import gc
+
+    from agent_mtp import service
+    from agent_mtp.engine import MTPEngine
+
+    loaded = object()
+    monkeypatch.setattr(MTPEngine, "from_pretrained", classmethod(lambda cls, *a, **k: loaded))
+    monkeypatch.setattr(service, "_ENGINES", {})
+    kept = [[i] for i in range(5000)]  # tracked objects alive before the load
+    before = gc.get_freeze_count()
+    try:
+        assert service.shared_engine("freeze-test-model") is loaded
+        frozen = gc.get_freeze_count()
+        assert frozen >= before + len(kept)
+        assert service.shared_engine("freeze-test-model") is loaded
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()  # the rest of the session collects as before
+    del kept
