@@ -919,6 +919,16 @@ inline __m512 scale_row(__m512 acc, __m512i s0, __m512i s1, __m512i s2, __m512 d
   return acc;
 }
 
+// scale_row for a row on the 8-bit grid (s1 = s2 = 0) in the same bits with two conversions and an FMA less: there
+// scale_row's t is fma(cvt(s0), 65536, fma(+0, 256, +0)) = cvt(s0) * 65536, a product by a power of two (exact).
+template <bool kQ4>
+inline __m512 scale_coarse_row(__m512 acc, __m512i s0, __m512 d, __m512 m, float step, float sum) {
+  const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(s0), _mm512_set1_ps(65536.0f));
+  acc = _mm512_fmadd_ps(t, _mm512_mul_ps(d, _mm512_set1_ps(step)), acc);
+  if constexpr (kQ4) acc = _mm512_fmadd_ps(m, _mm512_set1_ps(sum), acc);
+  return acc;
+}
+
 // acc[i] += the block's exact sums (C0 of row i at c0 + 16 i, C1 / C2 at c12 + 32 i / + 16) scaled as above.
 template <bool kQ4, int kRows>
 inline void scale_into(__m512* acc, const int32_t* c0, const int32_t* c12, const uint8_t* rec, const float* step,
@@ -1033,8 +1043,8 @@ inline void configure_coarse(int chunk) {
 // y[out[i], 0:16] (+)= grid rows r0 + i (i < kRows <= 16, every one on the 8-bit grid: a1 = a2 = 0) against one
 // record stream (``keep``: the features written). One tile product and one store a block serve all of them, where an
 // exact chunk takes two of each for 8 rows: on a 2-core Sapphire Rapids-class VM a tile product or store costs
-// ~3-5 ns whatever its rows (coarse_chunks_pay). Scaled by scale_row with zero low sums, as VNNI and the exact chunks
-// scale such a row: the same bits.
+// ~3-5 ns whatever its rows (coarse_chunks_pay). Scaled by scale_coarse_row (scale_row's bits for zero low sums), as
+// VNNI and the exact chunks scale such a row: the same bits.
 template <bool kQ4, int kRows>
 inline void coarse_product(const Grid& g, int64_t rows, int64_t r0, int64_t blocks, const uint8_t* rec, float* y,
                            int64_t ldy, bool add, __mmask16 keep, const int64_t* out) {
@@ -1069,8 +1079,8 @@ inline void coarse_product(const Grid& g, int64_t rows, int64_t r0, int64_t bloc
     const __m512 d = record_d<kQ4>(rb), m = record_m<kQ4>(rb);
 #pragma GCC unroll 16
     for (int i = 0; i < kRows; ++i)
-      acc[i] = scale_row<kQ4>(acc[i], _mm512_load_si512(c0[now] + 16 * i), none, none, d, m, step[i * blocks + b],
-                              sum[i * blocks + b]);
+      acc[i] = scale_coarse_row<kQ4>(acc[i], _mm512_load_si512(c0[now] + 16 * i), d, m, step[i * blocks + b],
+                                     sum[i * blocks + b]);
   }
   for (int i = 0; i < kRows; ++i) {
     float* yr = y + out[i] * ldy;
@@ -1236,8 +1246,11 @@ inline void stream_product(const tiles::Grid& g, int64_t rows, int64_t r0, int64
       }
       __m512i c0 = _mm512_add_epi32(s0[0], s0[1]);
       if constexpr (!kQ4) c0 = _mm512_sub_epi32(c0, _mm512_slli_epi32(qsum, 7));
-      acc[i] = tiles::scale_row<kQ4>(acc[i], c0, _mm512_add_epi32(s1[0], s1[1]), _mm512_add_epi32(s2[0], s2[1]), d, m,
-                                     step[i * blocks + b], sum[i * blocks + b]);
+      if (coarse)
+        acc[i] = tiles::scale_coarse_row<kQ4>(acc[i], c0, d, m, step[i * blocks + b], sum[i * blocks + b]);
+      else
+        acc[i] = tiles::scale_row<kQ4>(acc[i], c0, _mm512_add_epi32(s1[0], s1[1]), _mm512_add_epi32(s2[0], s2[1]), d,
+                                       m, step[i * blocks + b], sum[i * blocks + b]);
     }
   }
   for (int i = 0; i < R; ++i) {
