@@ -1056,7 +1056,6 @@ inline void coarse_product(const Grid& g, int64_t rows, int64_t r0, int64_t bloc
   if constexpr (kQ4) unpack_q4(rec, quants[0]);
   const float* step = g.step.data() + r0 * blocks;
   const float* sum = g.sum.data() + r0 * blocks;
-  const __m512i none = _mm512_setzero_si512();
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* rb = rec + b * record;
     const int now = static_cast<int>(b & 1);
