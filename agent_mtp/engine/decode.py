@@ -318,7 +318,7 @@ def _plain_if_hopeless(
     always plans. ``lookup=False``: leave prompt-lookup drafts out (the caller found none worth verifying); where
     no MTP draft is pending either, masks are then the only options and the planner scores them as it would plan.
     A mask is worth at most FUTURE_CREDIT times its position's rate (its token is only the next pass's draft)."""
-    if cfg.mode != "verified" or not state.sources:
+    if cfg.mode != "verified":  # (without sources too: the planner then finds nothing could pay but grammar text)
         return None
     if constraint is not None and "grammar" in cfg.drafts and _grammar_draft(constraint, budget - 1) is not None:
         return None

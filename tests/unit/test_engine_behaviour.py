@@ -274,6 +274,34 @@ def test_k_max_auto_runs_and_reports_k(engine):
     assert r.stats.k_used and max(r.stats.k_used) > 1
 
 
+def test_verified_without_mtp_drafts_feeds_no_masks_and_takes_greedy_runs(engine, monkeypatch):
+    """``verified`` with ``drafts`` that leave out ``mtp`` (a policy's ``drafts: [ngram, grammar]``) feeds no mask
+    rows, whose predictions it would discard, and makes its plain steps in greedy runs as ``ntp`` does; output equal
+    to ``ntp``. Before: three masks on most passes, and no runs at all without a prompt lookup."""
+    from agent_mtp.engine.fast.runner import FastRunner
+
+    engine.set_cost_curve(CostCurve(((1, 1.0), (2, 1.02), (4, 1.05), (8, 1.1), (16, 1.6))))  # masks nearly free
+    ntp = engine.generate(PROMPT, DecodeConfig(mode="ntp", max_new_tokens=24))
+    with_mtp = engine.generate(PROMPT, DecodeConfig(mode="verified", max_new_tokens=24))
+    assert max(with_mtp.stats.k_used) > 1  # the same curve buys masks where they can be drafts
+    runs: list[int] = []
+    real_steps = FastRunner.greedy_steps
+
+    def counted(self, first, steps, stop_ids, until=None):
+        runs.append(steps)
+        return real_steps(self, first, steps, stop_ids, until)
+
+    monkeypatch.setattr(FastRunner, "greedy_steps", counted)
+    for drafts in (("ngram",), ("grammar",), ("ngram", "grammar")):
+        runs.clear()
+        r = engine.generate(PROMPT, DecodeConfig(mode="verified", drafts=drafts, max_new_tokens=24))
+        assert r.token_ids == ntp.token_ids
+        assert set(r.stats.k_used) == {1}, drafts
+        assert runs, drafts
+        if drafts == ("grammar",):  # nothing to draft without a constraint: every step after the prefill in runs
+            assert sum(runs) >= r.stats.forward_passes - 1
+
+
 # -- bad input -----------------------------------------------------------------------------------------------
 def test_prompt_too_long(engine):
     with pytest.raises(PromptTooLongError, match="context window") as info:

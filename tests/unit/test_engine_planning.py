@@ -705,3 +705,24 @@ def test_a_run_that_ends_early_gives_back_the_passes_it_did_not_make() -> None:
                 planner.unplanned(run - now)
             made, first = made + now, False
         assert made + 1 == (8 if give_back else 6)  # the exploring pass
+
+
+def test_verified_without_the_mtp_source_never_feeds_masks() -> None:
+    """``verified`` whose drafts leave out ``mtp`` discards what mask rows predict, so no pass may carry one: not the
+    plan (whose mask rates would stay at their prior, never observed), not an exploring pass, not the hopeless test's
+    cheapest row. The same curve and rates with ``mtp`` do buy masks, so the test can tell."""
+    from agent_mtp.engine.config import DecodeConfig
+
+    cheap = CostCurve(((1, 1.0), (2, 1.02), (4, 1.05), (8, 1.1), (16, 1.6), (32, 2.2)))  # masks nearly free
+    with_mtp = Planner.for_config(DecodeConfig(mode="verified"), cheap)
+    without = Planner.for_config(DecodeConfig(mode="verified", drafts=("ngram", "grammar")), cheap)
+    assert with_mtp.masks and not without.masks and without.rates.positions == []
+    assert with_mtp.plan(1, [], budget=40).masks > 0
+    ngram = Draft((5, 6, 7), "ngram", 1.5, match=3)
+    for planner in (without, Planner.for_config(DecodeConfig(mode="verified", drafts=("grammar",)), cheap)):
+        plans = [planner.plan(1, [ngram] if i % 2 else [], budget=40) for i in range(24)]  # 3 exploring passes
+        assert all(plan.masks == 0 for plan in plans)
+        assert any(plan.draft is not None for plan in plans)  # a draft is still verified
+        assert planner.plain_if_hopeless(1, 0.0, 39) == Plan(None, 0)  # nothing could pay: a plain pass (a run)
+    not_cost_aware = Planner.for_config(DecodeConfig(mode="verified", cost_aware=False, drafts=("ngram",)), None)
+    assert not_cost_aware.plan(1, [ngram], budget=40) == Plan(ngram, 0)
