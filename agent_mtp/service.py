@@ -433,12 +433,14 @@ _CHECKED_POLICIES: dict[tuple[str, float], bool] = {}
 
 
 def shared_engine(model: str, *, adapter: str | None = "auto", dtype: str = "float32") -> MTPEngine:
-    """The process-wide engine for ``model`` (loaded on first use; every front end naming it shares it)."""
+    """The process-wide engine for ``model`` (loaded and its runtime prepared on first use; every front end naming
+    it shares it)."""
     key = (model_key(model), adapter, dtype)
     with _SHARED_LOCK:
         engine = _ENGINES.get(key)
         if engine is None:
             engine = MTPEngine.from_pretrained(model, adapter=adapter, dtype=dtype)
+            engine.prepare_runtime()  # with the load, not in the first request's time to first token
             _ENGINES[key] = engine
             freeze_loaded_objects()
     return engine

@@ -174,15 +174,27 @@ def test_a_closed_loop_refuses_posts() -> None:
     assert box._items == []
 
 
-def test_shared_engine_freezes_what_loading_left_alive(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The first load of an engine takes the objects alive then out of the collector's scans (their full
-    collections stalled every stream); a second request for the same engine freezes nothing more."""
+def test_shared_engine_prepares_its_runtime_then_freezes_what_loading_left_alive(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The first load of an engine prepares its runtime (else the first request pays it in its time to first
+    token) and then takes the objects alive out of the collector's scans (their full collections stalled every
+    stream), those the preparation made included; a second request for the same engine does neither again."""
     import gc
 
     from agent_mtp import service
     from agent_mtp.engine import MTPEngine
 
-    loaded = object()
+    class Loaded:
+        def __init__(self) -> None:
+            self.prepared: list[int] = []
+            self.made: list[list[int]] = []
+
+        def prepare_runtime(self) -> None:  # what the first generation would otherwise make, before the freeze
+            self.prepared.append(gc.get_freeze_count())
+            self.made = [[i] for i in range(3000)]
+
+    loaded = Loaded()
     monkeypatch.setattr(MTPEngine, "from_pretrained", classmethod(lambda cls, *a, **k: loaded))
     monkeypatch.setattr(service, "_ENGINES", {})
     kept = [[i] for i in range(5000)]  # tracked objects alive before the load
@@ -190,9 +202,10 @@ def test_shared_engine_freezes_what_loading_left_alive(monkeypatch: pytest.Monke
     try:
         assert service.shared_engine("freeze-test-model") is loaded
         frozen = gc.get_freeze_count()
-        assert frozen >= before + len(kept)
+        assert loaded.prepared == [before]  # prepared once, before the freeze, which takes what it made too
+        assert frozen >= before + len(kept) + len(loaded.made)
         assert service.shared_engine("freeze-test-model") is loaded
-        assert gc.get_freeze_count() == frozen
+        assert gc.get_freeze_count() == frozen and len(loaded.prepared) == 1
     finally:
         gc.unfreeze()  # the rest of the session collects as before
     del kept
