@@ -96,15 +96,16 @@ class Variant:
 _VARIANT_NAMES = re.compile(
     r"^(?:(?P<hf>hf-generate-(?P<dtype>fp32|bf16))|(?P<lookup>hf-prompt-lookup)|(?P<llamacpp>llama-cpp)"
     r"|(?:(?P<ntp>ntp)|static-(?P<static>\d+)|confadapt-(?P<tau>\d+(?:\.\d+)?)(?P<cauto>-auto)?"
-    r"|verified(?P<drafts>-mtp-ngram|-mtp|-ngram)?(?P<vauto>-auto)?)"
+    r"|verified(?P<drafts>(?:-mtp)?(?:-ngram)?(?:-grammar)?)(?P<vauto>-auto)?)"
     r"(?:@(?P<runtime>fast-fp32|fast-avx2|fast-avx512|fast-amx|fast-exact-masks|fast-int16|fast|hf))?)$"
 )
 
 
 def variant_from_name(name: str, *, k_max: int = 8) -> Variant:
     """A variant from its name: ``hf-generate-fp32``, ``hf-generate-bf16``, ``hf-prompt-lookup``, ``llama-cpp``,
-    ``ntp``, ``static-<k>``, ``confadapt-<tau>[-auto]``, ``verified[-mtp|-ngram|-mtp-ngram][-auto]`` (only those
-    draft sources; ``-auto``: ``k_max="auto"``); an engine variant may end in ``@fast`` or ``@hf`` to pick the
+    ``ntp``, ``static-<k>``, ``confadapt-<tau>[-auto]``, ``verified[-mtp][-ngram][-grammar][-auto]`` (only the
+    draft sources named, in that order, e.g. ``verified-ngram-grammar``; none named: all three; ``-auto``:
+    ``k_max="auto"``); an engine variant may end in ``@fast`` or ``@hf`` to pick the
     runtime that runs it, ``@fast-fp32`` for the fast runtime without block weights (float32 GEMM only), or
     ``@fast-avx2`` for the fast runtime with its kernels in their AVX2 forms (on a CPU with AVX-512), ``@fast-avx512``
     for its AVX kernels instead of AMX tiles (on a CPU with AMX), ``@fast-amx`` for AMX tiles on every pass (on a CPU
@@ -115,7 +116,7 @@ def variant_from_name(name: str, *, k_max: int = 8) -> Variant:
     if m is None:
         msg = (
             f"Unknown bench variant {name!r}; use hf-generate-fp32, hf-generate-bf16, hf-prompt-lookup, llama-cpp, "
-            "ntp, static-<k>, confadapt-<tau>[-auto] or verified[-mtp|-ngram|-mtp-ngram][-auto], engine variants "
+            "ntp, static-<k>, confadapt-<tau>[-auto] or verified[-mtp][-ngram][-grammar][-auto], engine variants "
             "optionally with @fast, @fast-fp32, @fast-avx2, @fast-avx512, @fast-amx, @fast-exact-masks, @fast-int16 "
             "or @hf."
         )
@@ -136,9 +137,8 @@ def variant_from_name(name: str, *, k_max: int = 8) -> Variant:
     if m["tau"]:
         k: int | str = "auto" if m["cauto"] else k_max
         return Variant(name, DecodeConfig(mode="confadapt", threshold=float(m["tau"]), k_max=k))  # type: ignore[arg-type]
-    drafts = {"-mtp": ("mtp",), "-ngram": ("ngram",), "-mtp-ngram": ("mtp", "ngram")}.get(
-        m["drafts"] or "", DecodeConfig().drafts
-    )
+    named = tuple(m["drafts"].split("-")[1:]) if m["drafts"] else ()
+    drafts = named or DecodeConfig().drafts
     k = "auto" if m["vauto"] else k_max
     return Variant(name, DecodeConfig(mode="verified", k_max=k, drafts=drafts))  # type: ignore[arg-type]
 

@@ -299,7 +299,10 @@ def test_peer_and_runtime_names_are_validated():
     assert variant_from_name("ntp@fast-avx512").runtime == "fast-avx512"
     assert variant_from_name("verified@fast-exact-masks").runtime == "fast-exact-masks"
     assert variant_from_name("ntp@fast-int16").runtime == "fast-int16"
-    for bad in ("hf-generate-fp32@hf", "llama-cpp@fast", "ntp@gpu", "hf-generate-fp32@fast-fp32"):
+    drafts = {name: variant_from_name(name).config.drafts for name in ("verified", "verified-ngram-grammar")}  # type: ignore[union-attr]
+    assert drafts == {"verified": ("mtp", "ngram", "grammar"), "verified-ngram-grammar": ("ngram", "grammar")}
+    assert variant_from_name("verified-mtp-auto@hf").config.drafts == ("mtp",)  # type: ignore[union-attr]
+    for bad in ("hf-generate-fp32@hf", "llama-cpp@fast", "ntp@gpu", "hf-generate-fp32@fast-fp32", "verified-ngram-mtp"):
         with pytest.raises(ConfigError, match="Unknown bench variant"):
             variant_from_name(bad)
 
