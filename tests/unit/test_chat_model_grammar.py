@@ -371,6 +371,42 @@ def test_forced_strings_are_tokenized_once_per_vocabulary(engine, monkeypatch):
     assert list(vocab.encode(calls[0])) == real(calls[0], add_special_tokens=False)
 
 
+class _CountingMatcher:
+    """An xgrammar matcher whose calls are counted (each one gives the GIL away and waits to get it back)."""
+
+    def __init__(self, matcher, calls):
+        self._matcher, self._calls = matcher, calls
+
+    def __getattr__(self, name):
+        method = getattr(self._matcher, name)
+
+        def counted(*args, **kwargs):
+            self._calls[name] = self._calls.get(name, 0) + 1
+            return method(*args, **kwargs)
+
+        return counted
+
+
+@pytest.mark.parametrize("mode", ["ntp", "verified"])
+def test_the_matcher_is_asked_each_state_question_once(engine, mode):
+    """xgrammar's matcher methods release the GIL: beside a batched server's other busy threads each call waits to
+    get it back (``is_terminated`` 0.16 us alone, 51 us beside one spinning thread). Whether the matcher has
+    terminated and its jump-forward string are asked once per grammar state (the plan and the forced draft share one
+    look at the forced text), not at every check: a schema's model step made 14.3 matcher calls, now 7.8."""
+    calls: dict[str, int] = {}
+    compiled = forced_grammar(engine)
+    constraint = compiled.constraint()
+    constraint.matcher = _CountingMatcher(constraint.matcher, calls)
+    result = engine.generate(PROMPTS[0], DecodeConfig(mode=mode, max_new_tokens=120), constraint=constraint)
+    states = len(result.token_ids) + 1  # every accepted token makes a state, and the start is one
+    assert result.finish_reason == "stop"
+    assert calls["is_terminated"] <= states
+    assert calls["find_jump_forward_string"] <= states
+    fresh = compiled.constraint()
+    expected = engine.generate(PROMPTS[0], DecodeConfig(mode=mode, max_new_tokens=120), constraint=fresh)
+    assert result.token_ids == expected.token_ids
+
+
 def test_a_grammar_never_allows_the_mask_token(engine):
     """The decode loop leaves the mask token's logit alone on constrained greedy passes where the grammar rules it out
     in every state (a special token): the grammar's fallback argmax never sees it."""
