@@ -385,7 +385,7 @@ class MTPEngine:
 
     def prepare_runtime(self) -> None:
         """Prepare the fast runtime's model now instead of on the first generation: its weights laid out once
-        (quantization blocks, their kernels' layouts, pre-packed float32 copies where long passes read them; ~1.7 s
+        (quantization blocks, their kernels' layouts, pre-packed float32 copies where long passes read them; ~0.8 s
         for the default model on a 2-core Zen 5, which the first request paid in its time to first token). Nothing
         to do on the Hugging Face runtime. Every front end's engine is prepared so (``service.shared_engine``)."""
         if self.runtime != "hf":

@@ -304,7 +304,7 @@ def test_verified_without_mtp_drafts_feeds_no_masks_and_takes_greedy_runs(engine
 
 def test_prepare_runtime_lays_the_weights_out_once_before_the_first_generation(monkeypatch):
     """``prepare_runtime`` makes the fast model the first generation would otherwise make (the default model's
-    ~1.7 s), once: the generation after it prepares nothing, and its output is the same."""
+    ~0.8 s), once: the generation after it prepares nothing, and its output is the same."""
     from agent_mtp.engine.fast import FastModel
 
     made: list[int] = []
