@@ -263,8 +263,6 @@ class GrammarConstraint:
         """The plan (forced tokens) of the state after each accepted token; None = not computed yet."""
         self._mask: torch.Tensor | None = None
         """Allowed tokens of the current state (cached until the state changes)."""
-        self._draft: tuple[int, ...] | None = None
-        """:meth:`forced_draft` of the current state (cached until the state changes)."""
         self._terminated: bool | None = None
         """Whether the matcher has terminated, asked once per state (None: not yet). xgrammar's matcher methods
         release the GIL, so beside other busy threads (a batched server's decode steps) each call waits to get it
@@ -337,9 +335,7 @@ class GrammarConstraint:
         verified decoding, which checks it against the model instead of appending it. After a jump forward this is
         typically the one token it left out, e.g. the `` "`` that opens a string value after a forced key, which
         otherwise costs a pass of its own. Does not advance the state."""
-        if self._draft is None:
-            self._draft = () if self.is_terminated() else self._forced_text()[1]
-        return list(self._draft)
+        return [] if self.is_terminated() else list(self._forced_text()[1])
 
     # -- extras -----------------------------------------------------------------------------------------------
     def is_completed(self) -> bool:
@@ -352,7 +348,7 @@ class GrammarConstraint:
 
     # -- internals ------------------------------------------------------------------------------------------
     def _forget_state(self) -> None:
-        self._mask = self._draft = self._terminated = self._forced = None
+        self._mask = self._terminated = self._forced = None
         self._filled = False
 
     def _fill(self) -> np.ndarray:
