@@ -92,7 +92,7 @@ class _Job:
             return False
         if self.until is not None and self.until(self.run[-1]):
             return False
-        self.item = BatchItem([self.run[-1]], self.item.cache, 1)
+        self.item = BatchItem([self.run[-1]], self.item.cache, 1, argmax_only=True)  # read only for its argmax
         self.prefill = False
         return True
 
@@ -281,7 +281,8 @@ class BatchingRunner(FastRunner):
         return self._closed
 
     def forward(self, tokens: list[int], keep: int) -> torch.Tensor:
-        job = self._wait(_Job(self, BatchItem(tokens, self.cache, keep, self.coarse_masks), prefill=not self._fed))
+        item = BatchItem(tokens, self.cache, keep, self.coarse_masks, self.argmax_only)
+        job = self._wait(_Job(self, item, prefill=not self._fed))
         assert job.logits is not None
         self.tokens += tokens
         return job.logits
@@ -292,7 +293,7 @@ class BatchingRunner(FastRunner):
         """A greedy run (:meth:`greedy_steps`) in the scheduler's batches, each pass fed the last one's greedy token
         by the scheduler: the caller wakes once for them all, so a plain greedy sequence holds no Python step, and
         keeps no pass waiting for one, between its passes."""
-        item = BatchItem([first], self.cache, 1, self.coarse_masks)
+        item = BatchItem([first], self.cache, 1, self.coarse_masks, argmax_only=True)  # a run reads only argmaxes
         job = self._wait(_Job(self, item, prefill=not self._fed, steps=steps, stop_ids=stop_ids, until=until))
         self.tokens += [first, *job.run[:-1]]  # the last token is the caller's to feed
         return list(job.run), list(job.stamps)

@@ -101,6 +101,8 @@ def decode(
         setup.planner.curve = share_curve(setup.planner.curve)
     if hasattr(runner, "coarse_masks"):  # a fast runner: mask rows of a verified pass are only drafts
         runner.coarse_masks = cfg.mode == "verified" and setup.coarse_masks
+    if hasattr(runner, "argmax_only"):  # a fast runner: greedy rows read only for their argmax (the runner's top)
+        runner.argmax_only = cfg.mode in ("ntp", "verified") and cfg.temperature <= 0 and constraint is None
     generator = torch.Generator().manual_seed(cfg.seed) if cfg.seed is not None else None
     state = _State(pending=list(prompt_ids[cached:]), context=list(prompt_ids))
     if cfg.mode == "verified":

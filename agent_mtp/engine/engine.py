@@ -526,6 +526,8 @@ class MTPEngine:
                         runner.coarse_masks = False
 
             def real_n(n: int) -> None:  # a verified pass's pending token and draft: n real tokens, no masks
+                if isinstance(runner, FastRunner):
+                    runner.argmax_only = True  # greedy rows, as verified's (the output head may screen them)
                 runner.forward([prefix[i % len(prefix)] for i in range(n)], n)
                 runner.drop(n)
 

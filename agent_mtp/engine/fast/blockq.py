@@ -406,6 +406,21 @@ def records_active() -> bool:
     return tiles_active() or vnni_active()
 
 
+SCREEN_ENV = "AGENT_MTP_SCREEN_HEAD"
+"""Set to 0 to compute every greedy row of the output head exactly instead of screening it on the 8-bit grid
+(:meth:`BlockWeights.screened`; the same argmax either way)."""
+
+
+@functools.cache
+def _vnni_supported() -> bool:
+    return kernels_available() and bool(torch.ops.agent_mtp_blockq.vnni_supported())
+
+
+def screen_enabled() -> bool:
+    """Whether greedy rows of the output head may be screened (:data:`SCREEN_ENV` not 0)."""
+    return _switched_on(SCREEN_ENV)
+
+
 @contextlib.contextmanager
 def _switched(op: str, enable: bool, missing: str) -> Iterator[bool]:
     """Set the kernels' on/off switch ``op`` (-1 reads it) to ``enable`` inside the block, process-wide, and back
@@ -705,6 +720,11 @@ class BlockWeights:
     """The blocks again as AMX tile records (:func:`_q4_1_tiles`, :func:`_q8_0_tiles`), which every pass multiplies
     where the CPU has AMX-INT8 (:func:`tiles_active`), or with AVX-512 VNNI where it has that instead
     (:func:`vnni_active`); None where it has neither."""
+    screen_bounds: torch.Tensor | None = None
+    """Q8_0 with tile records: ``|d| sum |q|`` per output and block [out, in / 32] float32, rounded up, which bounds
+    how far an output computed on the 8-bit input grid can be from its exact value (:meth:`screened`); else None."""
+    screen_peaks: torch.Tensor | None = None
+    """The largest of :attr:`screen_bounds` per block [in / 32] (over the block-structured outputs)."""
 
     @property
     def nbytes(self) -> int:
@@ -763,12 +783,7 @@ class BlockWeights:
         24: :data:`GRID_BITS`). Both ignored by the AVX kernels, which compute every row in float32."""
         x = x.contiguous()
         weight, eps = norm if norm is not None else (None, 1e-5)
-        # The float32 exception rows ride with the extra rows, computed in the kernel one fixed chain per row (an
-        # F.linear GEMM's numbers would depend on how many rows the pass has).
-        exceptions = self.exception_weight if self.exception_rows is not None else None
-        count = 0 if exceptions is None else int(exceptions.shape[0])
-        if exceptions is not None:
-            extra = exceptions if extra is None else torch.cat([exceptions, extra])
+        extra, exceptions, count = self._with_exception_rows(extra)
         if self.kind == "q4_1":
             assert self.minimum is not None
             y = torch.ops.agent_mtp_blockq.q4_1_linear(
@@ -789,6 +804,65 @@ class BlockWeights:
             y = torch.ops.agent_mtp_blockq.q8_0_linear(
                 x, self.qs, self.scale, extra, None, weight, eps, self.lanes, self.tiles, list(coarse), grid_bits
             )
+        return self._placed(y, exceptions, count)
+
+    @property
+    def screens(self) -> bool:
+        """Whether :meth:`screened` can screen rows here (Q8_0 with tile records on a CPU with AVX-512 VNNI, the
+        record paths on): else it computes them exactly."""
+        return self.screen_bounds is not None and records_active() and _vnni_supported()
+
+    def screened(
+        self,
+        x: torch.Tensor,
+        screen: Sequence[int],
+        extra: torch.Tensor | None = None,
+        norm: Norm | None = None,
+        coarse: Sequence[int] = (),
+        *,
+        grid_bits: int = 24,
+    ) -> tuple[torch.Tensor, int]:
+        """:meth:`__call__` whose rows in ``screen`` (flattened [start, stop) runs: greedy rows, read only for their
+        argmax) are multiplied on the 8-bit input grid, as ``coarse`` rows are, and then every output that could be
+        their argmax is recomputed exactly, from a rigorous bound on the 8-bit grid's error (``q8_0_screened`` in
+        kernels/blockq.cpp). Each screened row's argmax (its first maximum) is the exact product's, bit for bit; its
+        other outputs are approximations below that maximum. Returns (y, record streams of 16 outputs recomputed).
+        Exact rows everywhere where :attr:`screens` is False."""
+        if not (self.screens and screen):
+            return self(x, extra, norm, coarse, grid_bits=grid_bits), 0
+        assert self.screen_bounds is not None and self.screen_peaks is not None
+        x = x.contiguous()
+        weight, eps = norm if norm is not None else (None, 1e-5)
+        extra, exceptions, count = self._with_exception_rows(extra)
+        excluded = self.exception_rows.tolist() if self.exception_rows is not None else []
+        layouts = {"lanes": self.lanes, "tiles": self.tiles, "coarse_runs": list(coarse), "grid_bits": grid_bits}
+        bounds = {"bounds": self.screen_bounds, "peak_bounds": self.screen_peaks, "excluded": excluded}
+        y, recomputed = torch.ops.agent_mtp_blockq.q8_0_screened(
+            x,
+            self.qs,
+            self.scale,
+            extra,
+            weight,
+            eps,
+            valid=self.out_features,
+            screen_runs=list(screen),
+            **layouts,
+            **bounds,
+        )
+        return self._placed(y, exceptions, count), int(recomputed)
+
+    def _with_exception_rows(self, extra: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
+        """(the kernel's extra rows, the float32 exception rows, their count): the exception rows ride first with
+        the extra rows, computed in the kernel one fixed chain per row (an F.linear GEMM's numbers would depend on
+        how many rows the pass has)."""
+        exceptions = self.exception_weight if self.exception_rows is not None else None
+        if exceptions is None:
+            return extra, None, 0
+        return (exceptions if extra is None else torch.cat([exceptions, extra])), exceptions, int(exceptions.shape[0])
+
+    def _placed(self, y: torch.Tensor, exceptions: torch.Tensor | None, count: int) -> torch.Tensor:
+        """The kernel's output [n, padded + exception rows + extra rows] as [n, out + extra rows]: the float32
+        exception rows' products written over the block rows' there."""
         padded = int(self.qs.shape[0])
         if padded == self.out_features and count == 0:
             return y  # type: ignore[no-any-return]
@@ -826,8 +900,24 @@ def _recover_blocks(weight: torch.Tensor) -> BlockWeights | None:
     if int((~ok8).sum()) <= limit:
         found = _with_exceptions("q8_0", weight, q8.view(torch.uint8), scale8, None, ok8, out_features)
         tiles = _q8_0_tiles(q8[:out_features], scale8[:out_features]) if tiles_wanted() else None
-        return dataclasses.replace(found, lanes=_q8_0_lanes(q8), tiles=tiles)
+        bounds, peaks = _screen_bounds(q8, scale8, ok8, out_features) if tiles is not None else (None, None)
+        return dataclasses.replace(found, lanes=_q8_0_lanes(q8), tiles=tiles, screen_bounds=bounds, screen_peaks=peaks)
     return None
+
+
+def _screen_bounds(
+    q8: torch.Tensor, scale: torch.Tensor, ok: torch.Tensor, out_features: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(:attr:`BlockWeights.screen_bounds`, :attr:`BlockWeights.screen_peaks`) of Q8_0 quants [rows, blocks, 32] and
+    scales [rows, blocks]: ``|d| sum |q|`` per output and block, summed in float64 (exact: integers times a float16
+    value) and rounded up to float32; the peaks over the block-structured outputs (exception rows are excluded
+    from screening by the kernel's caller)."""
+    exact = scale[:out_features].double().abs() * q8[:out_features].double().abs().sum(-1)
+    bounds = exact.float()
+    bounds = torch.where(bounds.double() < exact, torch.nextafter(bounds, torch.full_like(bounds, torch.inf)), bounds)
+    kept = ok[:out_features].all(-1) if ok.dim() > 1 else ok[:out_features]
+    peaks = bounds[kept].amax(0) if bool(kept.any()) else bounds.new_zeros(bounds.shape[1])
+    return bounds.contiguous(), peaks.contiguous()
 
 
 def _with_exceptions(

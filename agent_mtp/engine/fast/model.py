@@ -55,6 +55,23 @@ KV_DTYPES = (torch.float32, torch.float16)
 """What a :class:`KVCache` may hold (see :attr:`FastModel.kv_dtype`)."""
 
 
+SCREEN_ROWS = 8
+"""Passes with at least this many greedy rows screen them in the output head (:attr:`BatchItem.argmax_only`). The
+screen pays where the head's exact rows are bound by their integer products rather than by reading the head from
+memory: on a 2-core Zen 4, the head read cold, 8 / 16 exact rows took 2.1-2.7 / 4.7-5.4 ms and screened 1.6-2.0 /
+2.8-3.2 ms, while at 4-7 rows the screen's scan and recomputation ate what the 8-bit grid saved (docs/benchmarks.md)."""
+
+
+@dataclass(frozen=True)
+class ScreenStats:
+    """Output-head passes that screened greedy rows, the rows screened and the record streams (16 logits each)
+    recomputed exactly for them."""
+
+    passes: int
+    rows: int
+    streams: int
+
+
 @dataclass(frozen=True)
 class BatchItem:
     """One sequence's share of a batched pass: new tokens, its own KV cache, and how many logits rows it reads."""
@@ -66,6 +83,12 @@ class BatchItem:
     """Whether this sequence's mask rows are only drafts (``verified``: real rows check every one), so that block
     passes on the record paths may compute them on an 8-bit input grid (one integer product per weight instead of
     three). Exact mask rows (ConfAdapt, static: their tokens are committed) otherwise."""
+    argmax_only: bool = False
+    """Whether the caller reads this sequence's kept real rows only for their argmax (greedy decoding without a
+    constraint): in a pass with at least :attr:`FastModel.screen_rows` such rows the output head screens them on the
+    8-bit grid and recomputes exactly only the logits that could be the argmax
+    (:meth:`~agent_mtp.engine.fast.weights.PackedLinear.screened`). Each such row's argmax is the exact head's; its
+    other logits are lower approximations."""
 
 
 @dataclass(frozen=True)
@@ -283,6 +306,11 @@ class FastModel:
         fused = _fused_weights(self.layers)
         self._fused = None if fused is None else torch.classes.agent_mtp_blockq.LayerStack(fused)
         """The decoder weights handed to ``decode_layers`` once (a pass passes this one object)."""
+        self.screen_rows = SCREEN_ROWS if blockq.screen_enabled() else 0
+        """Passes with at least this many greedy rows (:attr:`BatchItem.argmax_only`) screen them in the output head
+        (0: never; :data:`SCREEN_ROWS`, ``AGENT_MTP_SCREEN_HEAD``)."""
+        self.screen_stats = ScreenStats(0, 0, 0)
+        """What the head's screening has done so far (for benchmarks and tests)."""
         self.block_rows = self._settle_block_rows()
         """Passes of up to this many rows read the quantization blocks (0: none are kept), longer ones the float32
         GEMM: pinned by ``AGENT_MTP_BLOCK_ROWS``, else measured here for models past the CPU caches."""
@@ -415,10 +443,18 @@ class FastModel:
 
     # -- the forward -----------------------------------------------------------------------------------------
     @torch.no_grad()
-    def forward(self, tokens: Sequence[int], cache: KVCache, keep: int, *, coarse_masks: bool = False) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: Sequence[int],
+        cache: KVCache,
+        keep: int,
+        *,
+        coarse_masks: bool = False,
+        argmax_only: bool = False,
+    ) -> torch.Tensor:
         """Append ``tokens`` at ``cache.length``; return fp32 logits of the last ``keep`` of them [keep, V].
-        ``coarse_masks``: see :attr:`BatchItem.coarse_masks`."""
-        return self.forward_batch([BatchItem(tokens, cache, keep, coarse_masks)])[0]
+        ``coarse_masks``, ``argmax_only``: see :class:`BatchItem`."""
+        return self.forward_batch([BatchItem(tokens, cache, keep, coarse_masks, argmax_only)])[0]
 
     @torch.no_grad()
     def forward_batch(self, items: Sequence[BatchItem]) -> list[torch.Tensor]:
@@ -447,8 +483,29 @@ class FastModel:
         h = kept[0] if len(kept) == 1 else torch.cat(kept)
         # the final norm inside the head's call (one op less; the kernels normalise as the layers' norms do)
         head_coarse = flat_runs(_kept_runs(coarse, segments, items)) if coarse else []
-        logits = self.lm_head(h, norm=(self.final_norm, self.eps), coarse=head_coarse, grid_bits=self.grid_bits)
+        screen = self._screened_rows(items, h.shape[0])
+        norm = (self.final_norm, self.eps)
+        if screen:
+            logits, streams = self.lm_head.screened(h, screen, norm, head_coarse, grid_bits=self.grid_bits)
+            done = self.screen_stats
+            self.screen_stats = ScreenStats(done.passes + 1, done.rows + _count(screen), done.streams + streams)
+        else:
+            logits = self.lm_head(h, norm=norm, coarse=head_coarse, grid_bits=self.grid_bits)
         return list(logits.split([item.keep for item in items])) if len(items) > 1 else [logits]
+
+    def _screened_rows(self, items: Sequence[BatchItem], kept: int) -> list[int]:
+        """The head's rows to screen (flattened [start, stop) runs): every kept row of the ``argmax_only`` items
+        (their coarse mask rows stay coarse in the kernel), where the pass has at least :attr:`screen_rows` of
+        them and the head can screen; else none."""
+        if self.screen_rows <= 0 or not any(item.argmax_only for item in items) or not self.lm_head.screens(kept):
+            return []
+        runs: list[int] = []
+        offset = 0
+        for item in items:
+            if item.argmax_only:
+                runs += [offset, offset + item.keep]
+            offset += item.keep
+        return runs if _count(runs) >= self.screen_rows else []
 
     def greedy_tokens(self, logits: torch.Tensor) -> list[int]:
         """Each row's argmax of ``logits`` [n, V] (the first of equal maxima, as ``torch.argmax``), the mask token
@@ -652,6 +709,11 @@ def _coarse_runs(rows: MaskRuns, segments: Sequence[_Segment], items: Sequence[B
         return []
     pairs = zip(segments, items, strict=True)
     return [run for seg, item in pairs if item.coarse_masks for run in _clipped(rows, seg.row_start, seg.row_end)]
+
+
+def _count(runs: Sequence[int]) -> int:
+    """Rows in flattened [start, stop) runs."""
+    return sum(runs[i + 1] - runs[i] for i in range(0, len(runs), 2))
 
 
 def _kept_runs(runs: MaskRuns, segments: Sequence[_Segment], items: Sequence[BatchItem]) -> list[slice]:

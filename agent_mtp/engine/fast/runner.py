@@ -23,6 +23,10 @@ class FastRunner:
         self.coarse_masks = False
         """Whether this sequence's mask rows are only drafts (set by the decode loop for ``verified``): see
         :attr:`agent_mtp.engine.fast.model.BatchItem.coarse_masks`."""
+        self.argmax_only = False
+        """Whether the decode loop reads this sequence's real rows only for their argmax (greedy, unconstrained
+        ``ntp`` / ``verified``: it takes :attr:`greedy`), so that the output head may screen them (see
+        :attr:`agent_mtp.engine.fast.model.BatchItem.argmax_only`)."""
         self.greedy: list[int] | None = None
         """Each kept row's argmax (mask token left out) of the last forward, computed with it on the compute thread
         (:meth:`FastModel.greedy_tokens`): the decode loop takes greedy tokens from here instead of reading the
@@ -38,7 +42,9 @@ class FastRunner:
         return logits
 
     def _forward(self, tokens: list[int], keep: int) -> tuple[torch.Tensor, list[int]]:
-        logits = self.model.forward(tokens, self.cache, keep, coarse_masks=self.coarse_masks)
+        logits = self.model.forward(
+            tokens, self.cache, keep, coarse_masks=self.coarse_masks, argmax_only=self.argmax_only
+        )
         return logits, self.model.greedy_tokens(logits)
 
     def greedy_steps(
@@ -64,7 +70,7 @@ class FastRunner:
         ended: list[float] = []
         feed = first
         for _ in range(steps):
-            logits = self.model.forward([feed], self.cache, 1)
+            logits = self.model.forward([feed], self.cache, 1, argmax_only=True)  # a run reads only its argmax
             self.tokens.append(feed)
             self.greedy = self.model.greedy_tokens(logits)
             tokens.append(self.greedy[-1])

@@ -162,6 +162,29 @@ class PackedLinear:
             return self.blocks_product(x, norm, coarse, grid_bits=grid_bits)
         return self.dense_product(x, norm)
 
+    def screens(self, rows: int) -> bool:
+        """Whether a pass of ``rows`` rows could screen greedy rows (:meth:`screened`)."""
+        return self.reads_blocks(rows) and self.blocks is not None and self.blocks.screens
+
+    def screened(
+        self,
+        x: torch.Tensor,
+        screen: Sequence[int],
+        norm: blockq.Norm | None = None,
+        coarse: Sequence[int] = (),
+        *,
+        grid_bits: int = 24,
+    ) -> tuple[torch.Tensor, int]:
+        """:meth:`__call__` with the rows of ``screen`` (flattened [start, stop) runs) read only for their argmax:
+        where the blocks can (:meth:`screens`), those rows are multiplied on the 8-bit grid and the outputs that could
+        be their argmax recomputed exactly (:meth:`BlockWeights.screened`: the same argmax, the other outputs lower
+        approximations); else every row is exact. Returns (y, record streams recomputed)."""
+        if not (screen and self.screens(x.shape[0])):
+            return self(x, norm, coarse, grid_bits=grid_bits), 0
+        assert self.blocks is not None
+        y, recomputed = self.blocks.screened(x, screen, self.extra_rows, norm, coarse, grid_bits=grid_bits)
+        return (y.add_(self.bias) if self.bias is not None else y), recomputed
+
     def blocks_product(
         self, x: torch.Tensor, norm: blockq.Norm | None = None, coarse: Sequence[int] = (), *, grid_bits: int = 24
     ) -> torch.Tensor:

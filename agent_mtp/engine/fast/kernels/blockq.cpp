@@ -36,7 +36,9 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <tuple>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -1286,6 +1288,119 @@ void records_product(const tiles::Grid& g, int64_t rows, int64_t blocks, const u
 }
 
 }  // namespace vnni
+
+// ---- greedy rows of the output head screened on the 8-bit grid -----------------------------------------------------
+// A greedy row reads only the argmax of its logits, and at 8 rows and more the Q8_0 head's exact rows (three byte
+// products per weight) cost a pass ~1-2 ms more than rows on the 8-bit grid (one). A screened row is multiplied on the
+// 8-bit grid, then every output f's distance from its exact value is bounded:
+//   |exact_f - coarse_f| <= sum_b W[f, b] e_b + margin,
+// W[f, b] = |d_fb| sum_i |q_fbi| (the block's absolute weight, precomputed and rounded up), e_b the largest rounding
+// of an input of block b onto the 8-bit grid (half a step, with slack) and the margin ~2^-12 of sum_b max_f W[f, b]
+// peak_b, far above the float rounding of either product and the 24-bit grid's own rounding. The outputs whose upper
+// bound reaches the best lower bound are then recomputed exactly: their whole record stream of 16 outputs on the
+// row's exact grid, with the exact product's own kernel (stream_product), so the same bits. An output left coarse is
+// below its upper bound, below the best lower bound, at most an exact recomputed output: the row's first maximum is
+// the exact product's. Prefilter: any output whose upper bound reaches the best lower bound has a coarse value of at
+// least the largest coarse value less twice the loose bound (every W[f, b] at its largest) and twice the margin, so
+// only those read the bound table. On the agent prompts' rows a median of 4 outputs (at most ~120) were candidates.
+namespace screen {
+
+// Row r of a pass: ``yr`` its coarse outputs (width ``width`` of records; outputs [0, valid) are logits), ``xr`` its
+// (normalised) inputs [k], ``exact`` the pass's exact grid (every row), ``tp`` the records, ``bounds`` [>= valid,
+// blocks] and ``peak_bounds`` [blocks] (the largest W[f, b] per block), ``excluded`` outputs (float32 exception rows,
+// overwritten by the caller) never candidates. Returns how many record streams were recomputed.
+int64_t row(const tiles::Grid& exact, int64_t rows, int64_t r, const float* xr, int64_t k, const uint8_t* tp,
+            int64_t width, int64_t valid, const float* bounds, const float* peak_bounds, const int64_t* excluded,
+            int64_t excluded_count, float* yr) {
+  const int64_t blocks = k / kBlock;
+  constexpr int64_t record = tiles::kQ80Record;
+  const int64_t streams = (width + tiles::kFeatures - 1) / tiles::kFeatures;
+  const auto recompute = [&](int64_t s) {
+    const int64_t f0 = s * tiles::kFeatures, last = std::min<int64_t>(tiles::kFeatures, width - f0);
+    const __mmask16 keep = static_cast<__mmask16>((1u << last) - 1u);
+    vnni::stream_product<false, 1>(exact, rows, r, blocks, tp + s * blocks * record, yr + f0, 0, false, keep);
+  };
+  const auto recompute_all = [&] {
+    for (int64_t s = 0; s < streams; ++s) recompute(s);
+    return streams;
+  };
+  static thread_local std::vector<double> e;
+  e.assign(static_cast<size_t>(blocks), 0.0);
+  double loose = 0.0, margin = 0.0;
+  const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
+  const __m512 infinity = _mm512_set1_ps(INFINITY);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const float* xb = xr + b * kBlock;
+    const __m512 v0 = _mm512_and_ps(_mm512_loadu_ps(xb), abs_mask), v1 = _mm512_and_ps(_mm512_loadu_ps(xb + 16), abs_mask);
+    // a NaN or an infinity (|x| not below infinity; max would drop a NaN): no bound, the row is computed exactly
+    if ((_mm512_cmp_ps_mask(v0, infinity, _CMP_NLT_UQ) | _mm512_cmp_ps_mask(v1, infinity, _CMP_NLT_UQ)) != 0)
+      return recompute_all();
+    const double peak = _mm512_reduce_max_ps(_mm512_max_ps(v0, v1));
+    e[b] = peak * (0.5 / 127.0) * (1.0 + 1.0 / 1024.0);
+    loose += static_cast<double>(peak_bounds[b]) * e[b];
+    margin += static_cast<double>(peak_bounds[b]) * peak;
+  }
+  margin = margin * 0x1p-12 + 1e-30;
+  for (int64_t i = 0; i < excluded_count; ++i)
+    if (excluded[i] < valid) yr[excluded[i]] = -INFINITY;
+  // One pass over the outputs: the largest so far, and every output within reach of it (2 loose bounds and margins
+  // below; the reach only rises), kept for the bounds below. The largest output at the end is among them.
+  const double reach = 2.0 * loose + 2.0 * margin;
+  static thread_local std::vector<int64_t> near;
+  near.clear();
+  float best = -INFINITY;
+  __m512 best_v = _mm512_set1_ps(-INFINITY), floor_v = best_v;
+  const auto raise = [&](float value) {
+    best = value;
+    best_v = _mm512_set1_ps(best);
+    floor_v = _mm512_set1_ps(static_cast<float>(static_cast<double>(best) - reach));
+  };
+  int64_t f = 0;
+  for (; f + 16 <= valid; f += 16) {
+    const __m512 v = _mm512_loadu_ps(yr + f);
+    uint32_t reached = _mm512_cmp_ps_mask(v, floor_v, _CMP_GE_OQ);
+    if (reached == 0) continue;
+    if (_mm512_cmp_ps_mask(v, best_v, _CMP_GT_OQ) != 0) raise(_mm512_reduce_max_ps(v));
+    for (reached = _mm512_cmp_ps_mask(v, floor_v, _CMP_GE_OQ); reached != 0; reached &= reached - 1)
+      near.push_back(f + __builtin_ctz(reached));
+  }
+  for (; f < valid; ++f) {
+    if (yr[f] > best) raise(yr[f]);
+    if (static_cast<double>(yr[f]) >= static_cast<double>(best) - reach) near.push_back(f);
+  }
+  if (!std::isfinite(best) || !std::isfinite(loose)) return recompute_all();
+  // each output within reach of the final largest: its own bound; the best lower bound
+  const double floor = static_cast<double>(best) - reach;
+  static thread_local std::vector<std::pair<int64_t, double>> upper;
+  upper.clear();
+  double lower = -INFINITY;
+  for (const int64_t g : near) {
+    const double c = yr[g];
+    if (c < floor) continue;
+    const float* w = bounds + g * blocks;
+    double bound = margin;
+    for (int64_t b = 0; b < blocks; ++b) bound += static_cast<double>(w[b]) * e[b];
+    lower = std::max(lower, c - bound);
+    upper.emplace_back(g, c + bound);
+  }
+  // the record streams of the outputs whose upper bound reaches it, fetched together, then recomputed in order
+  static thread_local std::vector<int64_t> chosen;
+  chosen.clear();
+  for (const auto& [g, high] : upper) {  // ascending outputs
+    const int64_t s = g / tiles::kFeatures;
+    if (high >= lower && (chosen.empty() || chosen.back() != s)) chosen.push_back(s);
+  }
+  for (const int64_t s : chosen) {
+    const uint8_t* rec = tp + s * blocks * record;
+    for (int64_t line = 0; line < std::min<int64_t>(vnni::kAhead, blocks) * record; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(rec + line), _MM_HINT_T0);
+  }
+  for (const int64_t s : chosen) recompute(s);
+  const int64_t done = static_cast<int64_t>(chosen.size());
+  return done;
+}
+
+}  // namespace screen
 #pragma GCC pop_options
 
 // Whether this process may use AMX-INT8 tiles: the CPU has them (CPUID leaf 7: AMX-TILE, AMX-INT8), the OS saves
@@ -1717,6 +1832,66 @@ at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tens
   TORCH_CHECK(qs.size(0) % kGroup == 0, "out_features must be a multiple of 8, got ", qs.size(0));
   return grouped_linear<Q80, Q80Lanes>(x, qs, scale, nullptr, 32, extra, residual, norm, eps, lanes, tiles,
                                       coarse.empty() ? nullptr : coarse.data(), grid_bits);
+}
+
+// q8_0_linear whose rows in ``screen_runs`` (flattened [start, stop) runs: greedy rows, read only for their argmax)
+// are multiplied on the 8-bit grid and their few outputs that could be the argmax recomputed exactly (screen::row):
+// each screened row's first maximum over its first ``valid`` outputs is the exact product's, the other outputs are
+// approximations below it. ``bounds`` [out, in / 32] float32: |d| sum |q| per output and block, rounded up;
+// ``peak_bounds`` [in / 32]: its largest per block; ``excluded``: outputs never screened (float32 exception rows the
+// caller writes over). Where the records path cannot serve (no records, VNNI and AMX off, a CPU without VNNI) every
+// row is exact. Returns (y, record streams recomputed).
+std::tuple<at::Tensor, int64_t> q8_0_screened(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale,
+                                              const std::optional<at::Tensor>& extra,
+                                              const std::optional<at::Tensor>& norm, double eps,
+                                              const std::optional<at::Tensor>& lanes, const at::Tensor& tiles,
+                                              at::IntArrayRef coarse_runs, int64_t grid_bits, const at::Tensor& bounds,
+                                              const at::Tensor& peak_bounds, at::IntArrayRef excluded, int64_t valid,
+                                              at::IntArrayRef screen_runs) {
+  check_inputs(x, qs, scale, 32);
+  check_grid_bits(grid_bits);
+  TORCH_CHECK(qs.size(0) % kGroup == 0, "out_features must be a multiple of 8, got ", qs.size(0));
+  const int64_t rows = x.size(0), k = x.size(1), blocks = k / kBlock;
+  const BlockView view = block_view<Q80Lanes>(qs, scale, nullptr, k, extra, norm, lanes, std::optional<at::Tensor>(tiles));
+  TORCH_CHECK(0 < valid && valid <= view.out_features, "valid must be in [1, ", view.out_features, "], got ", valid);
+  TORCH_CHECK(bounds.scalar_type() == at::kFloat && bounds.is_contiguous() && bounds.dim() == 2 &&
+                  bounds.size(0) >= valid && bounds.size(1) == blocks,
+              "bounds must be a contiguous float32 [>= valid, in / 32] tensor");
+  TORCH_CHECK(peak_bounds.scalar_type() == at::kFloat && peak_bounds.is_contiguous() && peak_bounds.numel() == blocks,
+              "peak_bounds must be a contiguous float32 [in / 32] tensor");
+  std::vector<uint8_t> flags = coarse_flags(coarse_runs, rows);
+  const std::vector<uint8_t> screened = coarse_flags(screen_runs, rows);
+  std::vector<int64_t> chosen;
+  for (int64_t r = 0; r < static_cast<int64_t>(screened.size()); ++r)
+    if (screened[r] != 0 && (flags.empty() || flags[r] == 0)) chosen.push_back(r);  // a coarse row stays coarse
+  if (!chosen.empty() && records_path(rows, static_cast<const uint8_t*>(nullptr)) != Records::kNone &&
+      vnni_supported()) {
+    if (flags.empty()) flags.assign(static_cast<size_t>(rows), 0);
+    for (const int64_t r : chosen) flags[r] = 1;
+  } else {
+    chosen.clear();
+  }
+  // the rows multiplied: rms_norm(x) * norm where there is a norm, normalised once here for both products
+  BlockView plain = view;
+  plain.norm = nullptr;
+  const float* xp = view.norm != nullptr ? rms_normed(x.data_ptr<float>(), rows, k, view.norm, eps) : x.data_ptr<float>();
+  const int64_t width = view.out_features + view.extra;
+  at::Tensor y = at::empty({rows, width}, x.options());
+  float* yp = y.data_ptr<float>();
+  grouped_product<Q80, Q80Lanes>(xp, rows, plain, 32, eps, yp, width, false, yp + view.out_features, width,
+                                 flags.empty() ? nullptr : flags.data(), grid_bits);
+  if (chosen.empty()) return {y, 0};
+  const tiles::Grid& exact = tiles::on_grid(xp, rows, k, nullptr, false, grid_bits);
+  std::atomic<int64_t> recomputed{0};
+  at::parallel_for(0, static_cast<int64_t>(chosen.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t r = chosen[i];
+      recomputed += screen::row(exact, rows, r, xp + r * k, k, view.tiles, view.out_features, valid,
+                                bounds.data_ptr<float>(), peak_bounds.data_ptr<float>(), excluded.data(),
+                                static_cast<int64_t>(excluded.size()), yp + r * width);
+    }
+  });
+  return {y, recomputed.load()};
 }
 
 
@@ -2720,6 +2895,12 @@ TORCH_LIBRARY(agent_mtp_blockq, m) {
       "q8_0_linear(Tensor x, Tensor qs, Tensor scale, Tensor? extra=None, Tensor(a!)? residual=None, "
       "Tensor? norm=None, float eps=1e-5, Tensor? lanes=None, Tensor? tiles=None, int[] coarse_runs=[], "
       "int grid_bits=24) -> Tensor");
+  // q8_0_linear with the rows of screen_runs (greedy rows) on the 8-bit grid and the outputs that could be their
+  // argmax recomputed exactly (see q8_0_screened); returns (y, record streams recomputed)
+  m.def(
+      "q8_0_screened(Tensor x, Tensor qs, Tensor scale, Tensor? extra, Tensor? norm, float eps, Tensor? lanes, "
+      "Tensor tiles, int[] coarse_runs, int grid_bits, Tensor bounds, Tensor peak_bounds, int[] excluded, int valid, "
+      "int[] screen_runs) -> (Tensor, int)");
   // which kernel classes take their AVX-512 forms (the same numbers as the AVX2 ones; bits 1: row kernels and
   // attention, 2: lane kernels); 0 where the CPU lacks them
   m.def("avx512_forms(int request=-1) -> int", &avx512_forms);
@@ -2773,4 +2954,5 @@ TORCH_LIBRARY_IMPL(agent_mtp_blockq, CPU, m) {
   m.impl("recover_q8_0", &recover_q8_0);
   m.impl("q4_1_linear", &q4_1_linear);
   m.impl("q8_0_linear", &q8_0_linear);
+  m.impl("q8_0_screened", &q8_0_screened);
 }
