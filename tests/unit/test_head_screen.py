@@ -7,7 +7,6 @@ VNNI (the screen's exact recomputation runs on it)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 import torch
@@ -24,14 +23,12 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(autouse=True, params=["vnni", "amx"])
-def path(request: pytest.FixtureRequest) -> Any:
-    """Every test with the records on VNNI, and on AMX tiles where the CPU has them."""
-    if request.param == "amx" and not torch.ops.agent_mtp_blockq.amx_supported():
-        pytest.skip("no AMX-INT8 tiles on this CPU / OS")
-    with blockq.amx(request.param == "amx"), blockq.vnni(True):
-        assert blockq.records_active()
-        yield request.param
+@pytest.fixture(autouse=True)
+def vnni_records() -> Iterator[None]:
+    """Every test with the records on VNNI (AMX tiles off where the CPU has them: the screen serves VNNI only)."""
+    with blockq.amx(False), blockq.vnni(True):
+        assert blockq.vnni_active()
+        yield
 
 
 def _head(out: int, k: int, seed: int, *, exception: bool = False) -> tuple[torch.Tensor, blockq.BlockWeights]:
@@ -65,9 +62,11 @@ def _inputs(rows: int, k: int, seed: int, weight: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _check_screened(blocks: blockq.BlockWeights, x: torch.Tensor, screen: list[int], coarse: list[int]) -> int:
-    exact = blocks(x, coarse=coarse)
-    got, streams = blocks.screened(x, screen, coarse=coarse)
+def _check_screened(
+    blocks: blockq.BlockWeights, x: torch.Tensor, screen: list[int], coarse: list[int], grid_bits: int = 24
+) -> int:
+    exact = blocks(x, coarse=coarse, grid_bits=grid_bits)
+    got, streams = blocks.screened(x, screen, coarse=coarse, grid_bits=grid_bits)
     flags = torch.zeros(x.shape[0], dtype=torch.bool)
     for a, b in zip(screen[::2], screen[1::2], strict=True):
         flags[a:b] = True
@@ -84,14 +83,23 @@ def _check_screened(blocks: blockq.BlockWeights, x: torch.Tensor, screen: list[i
     return streams
 
 
+@pytest.mark.parametrize("grid_bits", [24, 16])
 @pytest.mark.parametrize(("out", "k"), [(200, 64), (1000, 96), (45, 160)])  # whole and partial records
-def test_screened_rows_take_the_exact_argmax_and_its_bits(out: int, k: int) -> None:
+def test_screened_rows_take_the_exact_argmax_and_its_bits(out: int, k: int, grid_bits: int) -> None:
     weight, blocks = _head(out, k, seed=out)
     recomputed = 0
     for rows in (1, 4, 9):
         x = _inputs(rows, k, seed=rows, weight=weight)
-        recomputed += _check_screened(blocks, x, [0, rows], [])
+        recomputed += _check_screened(blocks, x, [0, rows], [], grid_bits)
     assert 0 < recomputed < 14 * -(-out // 16)  # some streams recomputed, far from every stream of every row
+
+
+def test_the_screen_is_off_on_amx_tiles() -> None:
+    if not torch.ops.agent_mtp_blockq.amx_supported():
+        pytest.skip("no AMX-INT8 tiles on this CPU / OS")
+    _, blocks = _head(64, 64, seed=3)
+    with blockq.amx(True):
+        assert not blocks.screens
 
 
 def test_exception_rows_coarse_rows_and_unscreened_rows_in_one_pass() -> None:

@@ -808,9 +808,10 @@ class BlockWeights:
 
     @property
     def screens(self) -> bool:
-        """Whether :meth:`screened` can screen rows here (Q8_0 with tile records on a CPU with AVX-512 VNNI, the
-        record paths on): else it computes them exactly."""
-        return self.screen_bounds is not None and records_active() and _vnni_supported()
+        """Whether :meth:`screened` screens rows here: Q8_0 with tile records multiplied on AVX-512 VNNI
+        (:func:`vnni_active`), else it computes them exactly. On AMX tiles an exact chunk of up to 8 rows costs about
+        what a coarse one does, and the screen was never measured there, so the tiles keep every row exact."""
+        return self.screen_bounds is not None and vnni_active() and _vnni_supported()
 
     def screened(
         self,
