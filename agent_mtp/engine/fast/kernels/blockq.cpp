@@ -1336,6 +1336,8 @@ int64_t row(const tiles::Grid& exact, int64_t rows, int64_t r, const float* xr, 
     if ((_mm512_cmp_ps_mask(v0, infinity, _CMP_NLT_UQ) | _mm512_cmp_ps_mask(v1, infinity, _CMP_NLT_UQ)) != 0)
       return recompute_all();
     const double peak = _mm512_reduce_max_ps(_mm512_max_ps(v0, v1));
+    // a block so small that 127 / peak overflows float32 is put on no 8-bit grid the bound describes
+    if (peak > 0.0 && peak < 1e-35) return recompute_all();
     e[b] = peak * (0.5 / 127.0) * (1.0 + 1.0 / 1024.0);
     loose += static_cast<double>(peak_bounds[b]) * e[b];
     margin += static_cast<double>(peak_bounds[b]) * peak;
@@ -1353,7 +1355,8 @@ int64_t row(const tiles::Grid& exact, int64_t rows, int64_t r, const float* xr, 
   const auto raise = [&](float value) {
     best = value;
     best_v = _mm512_set1_ps(best);
-    floor_v = _mm512_set1_ps(static_cast<float>(static_cast<double>(best) - reach));
+    // rounded down: the float compare keeps every output the exact (double) floor keeps
+    floor_v = _mm512_set1_ps(std::nextafter(static_cast<float>(static_cast<double>(best) - reach), -INFINITY));
   };
   int64_t f = 0;
   for (; f + 16 <= valid; f += 16) {
@@ -1366,7 +1369,7 @@ int64_t row(const tiles::Grid& exact, int64_t rows, int64_t r, const float* xr, 
   }
   for (; f < valid; ++f) {
     if (yr[f] > best) raise(yr[f]);
-    if (static_cast<double>(yr[f]) >= static_cast<double>(best) - reach) near.push_back(f);
+    if (static_cast<double>(yr[f]) >= static_cast<double>(best) - reach) near.push_back(f);  // (best only rises)
   }
   if (!std::isfinite(best) || !std::isfinite(loose)) return recompute_all();
   // each output within reach of the final largest: its own bound; the best lower bound
