@@ -175,9 +175,16 @@ def test_argmax_only_items_are_screened_in_the_head_and_keep_their_argmax(
     before = fast.screen_stats
     got = fast.forward(tokens, caches[1], len(tokens), coarse_masks=True, argmax_only=True)
     after = fast.screen_stats
-    assert (after.passes, after.rows) == (before.passes + 1, before.rows + len(tokens))
+    assert (after.passes, after.rows) == (before.passes + 1, before.rows + len(tokens) - 1)  # the mask row: not
     assert torch.equal(got.argmax(-1), exact.argmax(-1))
     assert torch.equal(got[-1], exact[-1])  # the coarse mask row: its own (8-bit) numbers
+    for cache in caches:  # the mask row leaves the caches, as the decode loop drops it
+        cache.truncate(cache.length - 1)
+    exact_masks = fast.forward(tokens, caches[0], len(tokens))  # exact mask rows (ConfAdapt's): never screened
+    got_masks = fast.forward(tokens, caches[1], len(tokens), argmax_only=True)
+    assert torch.equal(got_masks[-1], exact_masks[-1])
+    assert torch.equal(got_masks.argmax(-1), exact_masks.argmax(-1))
+    after = fast.screen_stats
     fast.screen_rows = len(tokens) + 1  # fewer greedy rows in a pass than that: exact
     cache = fast.new_cache()
     fast.forward(prompt, cache, 1)

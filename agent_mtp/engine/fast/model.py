@@ -310,7 +310,8 @@ class FastModel:
         """Passes with at least this many greedy rows (:attr:`BatchItem.argmax_only`) screen them in the output head
         (0: never; :data:`SCREEN_ROWS`, ``AGENT_MTP_SCREEN_HEAD``)."""
         self.screen_stats = ScreenStats(0, 0, 0)
-        """What the head's screening has done so far (for benchmarks and tests)."""
+        """What the head's screening has done so far (for benchmarks and tests; counted by the thread that runs the
+        passes, one at a time)."""
         self.block_rows = self._settle_block_rows()
         """Passes of up to this many rows read the quantization blocks (0: none are kept), longer ones the float32
         GEMM: pinned by ``AGENT_MTP_BLOCK_ROWS``, else measured here for models past the CPU caches."""
@@ -483,7 +484,7 @@ class FastModel:
         h = kept[0] if len(kept) == 1 else torch.cat(kept)
         # the final norm inside the head's call (one op less; the kernels normalise as the layers' norms do)
         head_coarse = flat_runs(_kept_runs(coarse, segments, items)) if coarse else []
-        screen = self._screened_rows(items, h.shape[0])
+        screen = self._screened_rows(items, segments, rows, h.shape[0])
         norm = (self.final_norm, self.eps)
         if screen:
             logits, streams = self.lm_head.screened(h, screen, norm, head_coarse, grid_bits=self.grid_bits)
@@ -493,18 +494,24 @@ class FastModel:
             logits = self.lm_head(h, norm=norm, coarse=head_coarse, grid_bits=self.grid_bits)
         return list(logits.split([item.keep for item in items])) if len(items) > 1 else [logits]
 
-    def _screened_rows(self, items: Sequence[BatchItem], kept: int) -> list[int]:
-        """The head's rows to screen (flattened [start, stop) runs): every kept row of the ``argmax_only`` items
-        (their coarse mask rows stay coarse in the kernel), where the pass has at least :attr:`screen_rows` of
-        them and the head can screen; else none."""
+    def _screened_rows(
+        self, items: Sequence[BatchItem], segments: Sequence[_Segment], masks: MaskRuns, kept: int
+    ) -> list[int]:
+        """The head's rows to screen (flattened [start, stop) runs): the kept real rows of the ``argmax_only``
+        items, where the pass has at least :attr:`screen_rows` of them and the head can screen; else none. Mask
+        rows are never screened: the decode loop reads their confidences (draft-only ones are on the 8-bit grid
+        anyway, exact ones stay exact)."""
         if self.screen_rows <= 0 or not any(item.argmax_only for item in items) or not self.lm_head.screens(kept):
             return []
-        runs: list[int] = []
+        greedy = [False] * kept
         offset = 0
         for item in items:
             if item.argmax_only:
-                runs += [offset, offset + item.keep]
+                greedy[offset : offset + item.keep] = [True] * item.keep
             offset += item.keep
+        for run in _kept_runs(masks, segments, items):
+            greedy[run] = [False] * (run.stop - run.start)
+        runs = [r for start, stop in _true_runs(greedy) for r in (start, stop)]
         return runs if _count(runs) >= self.screen_rows else []
 
     def greedy_tokens(self, logits: torch.Tensor) -> list[int]:
@@ -709,6 +716,19 @@ def _coarse_runs(rows: MaskRuns, segments: Sequence[_Segment], items: Sequence[B
         return []
     pairs = zip(segments, items, strict=True)
     return [run for seg, item in pairs if item.coarse_masks for run in _clipped(rows, seg.row_start, seg.row_end)]
+
+
+def _true_runs(flags: Sequence[bool]) -> list[tuple[int, int]]:
+    """[start, stop) of each run of True in ``flags``."""
+    runs: list[tuple[int, int]] = []
+    start = None
+    for i, flag in enumerate([*flags, False]):
+        if flag and start is None:
+            start = i
+        elif not flag and start is not None:
+            runs.append((start, i))
+            start = None
+    return runs
 
 
 def _count(runs: Sequence[int]) -> int:
