@@ -39,6 +39,10 @@ def _head(out: int, k: int, seed: int, *, exception: bool = False) -> tuple[torc
     weight[3, 5] += weight[3, 5].abs().clamp(min=1e-3) * 2.0**-9  # a near-tie, then not a Q8_0 row: an exception
     if not exception:
         weight[3] = weight[2]
+    block = weight[2, :32]  # row 4: row 2 one quantization step apart at its smallest weight (still Q8_0): a near-tie
+    step = (block.abs().amax() / 127).half().float()
+    weight[4] = weight[2]
+    weight[4, int(block.abs().argmin())] += step
     weight = torch.cat([weight, torch.randn(1, k, generator=gen)]) if exception else weight  # a float32 row too
     blocks = blockq.block_weights(weight)
     assert blocks is not None and blocks.kind == "q8_0" and blocks.screen_bounds is not None and blocks.screens
