@@ -55,11 +55,12 @@ KV_DTYPES = (torch.float32, torch.float16)
 """What a :class:`KVCache` may hold (see :attr:`FastModel.kv_dtype`)."""
 
 
-SCREEN_ROWS = 8
+SCREEN_ROWS = 6
 """Passes with at least this many greedy rows screen them in the output head (:attr:`BatchItem.argmax_only`). The
 screen pays where the head's exact rows are bound by their integer products rather than by reading the head from
-memory: on a 2-core Zen 4, the head read cold, 8 / 16 exact rows took 2.1-2.7 / 4.7-5.4 ms and screened 1.6-2.0 /
-2.8-3.2 ms, while at 4-7 rows the screen's scan and recomputation ate what the 8-bit grid saved (docs/benchmarks.md)."""
+memory: on a 2-core Zen 4, 8 / 16 exact rows of the head alone (read cold) took 2.1-2.7 / 4.7-5.4 ms and screened
+1.6-2.0 / 2.8-3.2 ms; in 8 clients' batched passes, screened and exact interleaved at random, passes with 6 / 7 / 8
+greedy rows took 0.97-0.99x / 0.94-0.97x / 0.97x the time screened, those with 3-5 0.94-1.07x (docs/benchmarks.md)."""
 
 
 @dataclass(frozen=True)
