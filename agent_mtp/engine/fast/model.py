@@ -502,18 +502,14 @@ class FastModel:
         items, where the pass has at least :attr:`screen_rows` of them and the head can screen; else none. Mask
         rows are never screened: the decode loop reads their confidences (draft-only ones are on the 8-bit grid
         anyway, exact ones stay exact)."""
-        if self.screen_rows <= 0 or not any(item.argmax_only for item in items) or not self.lm_head.screens(kept):
-            return []
-        greedy = [False] * kept
-        offset = 0
-        for item in items:
-            if item.argmax_only:
-                greedy[offset : offset + item.keep] = [True] * item.keep
-            offset += item.keep
+        if self.screen_rows <= 0 or sum(item.keep for item in items if item.argmax_only) < self.screen_rows:
+            return []  # (most passes: asked before the head's switches, which are op calls)
+        greedy = [item.argmax_only for item in items for _ in range(item.keep)]
         for run in _kept_runs(masks, segments, items):
             greedy[run] = [False] * (run.stop - run.start)
-        runs = [r for start, stop in _true_runs(greedy) for r in (start, stop)]
-        return runs if _count(runs) >= self.screen_rows else []
+        if sum(greedy) < self.screen_rows or not self.lm_head.screens(kept):
+            return []
+        return flat_runs(_runs(greedy))
 
     def greedy_tokens(self, logits: torch.Tensor) -> list[int]:
         """Each row's argmax of ``logits`` [n, V] (the first of equal maxima, as ``torch.argmax``), the mask token
@@ -719,19 +715,6 @@ def _coarse_runs(rows: MaskRuns, segments: Sequence[_Segment], items: Sequence[B
     return [run for seg, item in pairs if item.coarse_masks for run in _clipped(rows, seg.row_start, seg.row_end)]
 
 
-def _true_runs(flags: Sequence[bool]) -> list[tuple[int, int]]:
-    """[start, stop) of each run of True in ``flags``."""
-    runs: list[tuple[int, int]] = []
-    start = None
-    for i, flag in enumerate([*flags, False]):
-        if flag and start is None:
-            start = i
-        elif not flag and start is not None:
-            runs.append((start, i))
-            start = None
-    return runs
-
-
 def _count(runs: Sequence[int]) -> int:
     """Rows in flattened [start, stop) runs."""
     return sum(runs[i + 1] - runs[i] for i in range(0, len(runs), 2))
@@ -760,9 +743,14 @@ def _mask_runs(tokens: Sequence[int], mask_token_id: int | None) -> list[slice]:
     batch)."""
     if mask_token_id is None:
         return []
+    return _runs([token == mask_token_id for token in tokens])
+
+
+def _runs(flags: Sequence[bool]) -> list[slice]:
+    """The rows whose flag is set, as runs of consecutive rows."""
     runs: list[slice] = []
-    for i, token in enumerate(tokens):
-        if token != mask_token_id:
+    for i, flag in enumerate(flags):
+        if not flag:
             continue
         if runs and runs[-1].stop == i:
             runs[-1] = slice(runs[-1].start, i + 1)
