@@ -254,6 +254,18 @@ def buffered_from(rows: int) -> Iterator[int]:
 
 
 @contextlib.contextmanager
+def attention_prefetch(spread: bool) -> Iterator[bool]:
+    """Inside the block, attention's AVX2 loops ask for the next chunk of 64 keys (or values) a few cache lines per
+    block of 8 keys (``spread``, the default) or all of it before the chunk's first score (as before 2026-12-07),
+    process-wide, for measurements and tests: the same numbers either way (``attention_prefetch`` in
+    kernels/blockq.cpp). Yields ``spread``."""
+    if not kernels_available():
+        raise ConfigError("The block-weight kernels are not loaded in this process; there is no attention kernel.")
+    with _kernel_setting("attention_prefetch", int(spread)):
+        yield spread
+
+
+@contextlib.contextmanager
 def _kernel_setting(op: str, value: int) -> Iterator[None]:
     """Set one of the kernels' process-wide integers (``torch.ops.agent_mtp_blockq.<op>``: -1 reads it, a value sets
     it) inside the block, restored afterwards."""
@@ -500,10 +512,11 @@ def kernel_tag() -> str:
     # their rows unrolled, each sum in two registers; 9: the AVX2 lane kernels rebuild a position's weights one
     # position ahead (cheaper passes of 5+ rows); 10: their tiles of 2-5 rows take 2-4 groups at once (the output
     # head of 2-4-row passes ~1.3-1.5x faster); 11: AVX2 passes of 16+ rows multiply weights rebuilt once per task;
-    # 12: from 9 rows (a tie on Zen 3, 0.75x the time at 10-12 rows on Zen 1)
+    # 12: from 9 rows (a tie on Zen 3, 0.75x the time at 10-12 rows on Zen 1); 13: attention's AVX2 loops ask for
+    # the next chunk of keys / values as they go (0.86-0.92x the attention time on Zen 3)
     forms = avx512_forms()
-    tag = {Wide.NONE: "blockq12", Wide.ALL: "blockq12-avx512"}.get(
-        forms, f"blockq12-avx512{(forms.name or '').lower()}"
+    tag = {Wide.NONE: "blockq13", Wide.ALL: "blockq13-avx512"}.get(
+        forms, f"blockq13-avx512{(forms.name or '').lower()}"
     )
     if not forms & Wide.LANES and buffered_rows() != BUFFERED_ROWS:  # AVX2 lane passes buffered from fewer rows
         tag += f"-b{buffered_rows()}"

@@ -2100,15 +2100,29 @@ inline void store_row(const float* from, int64_t d, uint16_t* to) {
                      _mm256_cvtps_ph(_mm256_loadu_ps(from + t), _MM_FROUND_TO_NEAREST_INT));
 }
 
+// Cache lines a loop asks for a few at a time as it goes: a share of the next chunk of keys or values (attend_rows).
+struct Ahead {
+  const char* next = nullptr;
+  int64_t lines = 0;
+  // ask for up to ``count`` of the lines left
+  void ask(int64_t count) {
+    for (; count > 0 && lines > 0; --count, --lines, next += 64) _mm_prefetch(next, _MM_HINT_T0);
+  }
+  // how many to ask for per block of 8 of ``keys`` positions so that the last block asks for the last of them
+  int64_t per_block(int64_t keys) const { return keys > 0 ? (lines * 8 + keys - 1) / keys : lines; }
+};
+
 // scores[j] = scale * (q . keys[j]) for j in [j0, j1) (j0 a multiple of 8): keys in blocks of eight (independent
 // accumulators) below ``whole`` (the row's key count rounded down to 8), the rest one at a time. A score's operations
 // do not depend on j0 / j1, only on the row's count.
 template <typename KV>
 void dot_scores(const float* q, const KV* keys, int64_t j0, int64_t j1, int64_t whole, int64_t d, float scale,
-                float* scores, ScoreMax& top) {
+                float* scores, ScoreMax& top, Ahead ahead = {}) {
   const __m256 vscale = _mm256_set1_ps(scale);
   int64_t j = j0;
+  const int64_t per_block = ahead.per_block(j1 - j0);
   for (; j + 8 <= std::min(j1, whole); j += 8) {
+    ahead.ask(per_block);
     const KV* kj = keys + j * d;
     __m256 acc[8];
     for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
@@ -2127,34 +2141,41 @@ void dot_scores(const float* q, const KV* keys, int64_t j0, int64_t j1, int64_t 
     scores[j] = pair_sum(acc) * scale;
     top.tail = std::max(top.tail, scores[j]);
   }
+  ahead.ask(ahead.lines);
 }
 
 // acc[0:8W] += sum_j p[j] * values[j, 0:8W] for j in [j0, j1) (rows of ``values`` are ``d`` apart), in order.
 template <int W, typename KV>
-inline void weighted_values(const float* p, const KV* values, int64_t j0, int64_t j1, int64_t d, float* out) {
+inline void weighted_values(const float* p, const KV* values, int64_t j0, int64_t j1, int64_t d, float* out,
+                            Ahead ahead = {}) {
   __m256 acc[W];
   for (int t = 0; t < W; ++t) acc[t] = _mm256_loadu_ps(out + 8 * t);
+  const int64_t per_block = ahead.per_block(j1 - j0);
   for (int64_t j = j0; j < j1; ++j) {
+    if (((j - j0) & 7) == 0) ahead.ask(per_block);
     const __m256 pj = _mm256_broadcast_ss(p + j);
     const KV* vj = values + j * d;
     for (int t = 0; t < W; ++t) acc[t] = _mm256_fmadd_ps(pj, load8(vj + 8 * t), acc[t]);
   }
   for (int t = 0; t < W; ++t) _mm256_storeu_ps(out + 8 * t, acc[t]);
+  ahead.ask(ahead.lines);
 }
 
 // Every 64-dimension slice of acc[0:d] += sum_j p[j] * values[j] over [j0, j1) (8 accumulators in registers).
 template <typename KV>
-void weighted_range(const float* p, const KV* values, int64_t j0, int64_t j1, int64_t d, float* acc) {
+void weighted_range(const float* p, const KV* values, int64_t j0, int64_t j1, int64_t d, float* acc,
+                    Ahead ahead = {}) {
   for (int64_t c = 0; c < d; c += 64) {
+    const Ahead slice = std::exchange(ahead, {});  // the first slice's loop asks for the lines
     switch (std::min<int64_t>(64, d - c) / 8) {
-      case 8: weighted_values<8>(p, values + c, j0, j1, d, acc + c); break;
-      case 7: weighted_values<7>(p, values + c, j0, j1, d, acc + c); break;
-      case 6: weighted_values<6>(p, values + c, j0, j1, d, acc + c); break;
-      case 5: weighted_values<5>(p, values + c, j0, j1, d, acc + c); break;
-      case 4: weighted_values<4>(p, values + c, j0, j1, d, acc + c); break;
-      case 3: weighted_values<3>(p, values + c, j0, j1, d, acc + c); break;
-      case 2: weighted_values<2>(p, values + c, j0, j1, d, acc + c); break;
-      default: weighted_values<1>(p, values + c, j0, j1, d, acc + c); break;
+      case 8: weighted_values<8>(p, values + c, j0, j1, d, acc + c, slice); break;
+      case 7: weighted_values<7>(p, values + c, j0, j1, d, acc + c, slice); break;
+      case 6: weighted_values<6>(p, values + c, j0, j1, d, acc + c, slice); break;
+      case 5: weighted_values<5>(p, values + c, j0, j1, d, acc + c, slice); break;
+      case 4: weighted_values<4>(p, values + c, j0, j1, d, acc + c, slice); break;
+      case 3: weighted_values<3>(p, values + c, j0, j1, d, acc + c, slice); break;
+      case 2: weighted_values<2>(p, values + c, j0, j1, d, acc + c, slice); break;
+      default: weighted_values<1>(p, values + c, j0, j1, d, acc + c, slice); break;
     }
   }
 }
@@ -2286,6 +2307,23 @@ void weighted_common(int64_t n, const float* const* p, const KV* values, int64_t
 // cache once, one task after another, and on the 2-core VMs measured the hardware prefetchers alone left the cores
 // waiting on it (one layer's attention over 8 caches of 500 positions: ~2.5x the time it takes with them in L2).
 // Prefetches change no result.
+//
+// How: each chunk of 64 keys asked for the whole next chunk (16 KB, 256 lines) before its first score. On a 2-core
+// Zen 3 that burst stalled the thread once the core's outstanding misses were used up, and the loops then waited on
+// memory anyway: without any software prefetch the same attention took 0.94-0.96x the time. The AVX2 loops now ask
+// for the next chunk a few lines per block of 8 keys (each pair of the task a share of it; dot_scores and
+// weighted_values, `Ahead`): 0.83-0.89x the time of the burst (8 caches of 400 / 800 positions, one of 800, 8 rows on
+// one of 400; 30 layers' caches, cold). The AVX-512 pair loops keep the burst (not measured since).
+// g_attention_prefetch: 1 spread (the default), 0 the burst at each chunk (tests and measurements compare them).
+std::atomic<int64_t> g_attention_prefetch{1};
+
+int64_t attention_prefetch(int64_t request) {
+  TORCH_CHECK(request >= -1 && request <= 1, "attention_prefetch takes -1 (read), 0 (a burst per chunk) or 1 "
+              "(spread over the loops), got ", request);
+  if (request >= 0) g_attention_prefetch = request;
+  return g_attention_prefetch.load();
+}
+
 template <typename KV>
 inline void prefetch_rows(const KV* rows, int64_t from, int64_t to, int64_t d) {
   const char* begin = reinterpret_cast<const char*>(rows + from * d);
@@ -2305,11 +2343,19 @@ void attend_rows(const float* const* q, const int64_t* count, int64_t n, const K
   const bool wide_rows = n > 1 && wide_rows_on();
   float* acc = scratch + n * stride;
   ScoreMax tops[kPairsPerTask];
+  // the AVX2 loops ask for the next chunk as they go, each pair a share (see prefetch_rows)
+  const bool spread = !wide_rows && g_attention_prefetch.load(std::memory_order_relaxed) == 1;
+  const auto share = [&](const KV* rows, int64_t count, int64_t i) {
+    const int64_t lines = (count * d * static_cast<int64_t>(sizeof(KV)) + 63) / 64;
+    const int64_t first = lines * i / n;
+    return spread ? Ahead{reinterpret_cast<const char*>(rows) + first * 64, lines * (i + 1) / n - first} : Ahead{};
+  };
   for (int64_t j0 = 0; j0 < longest; j0 += kKeyChunk) {
-    if (j0 + kKeyChunk < longest)  // the next chunk of keys, else the first of values
-      prefetch_rows(keys, j0 + kKeyChunk, std::min(j0 + 2 * kKeyChunk, longest), d);
-    else
-      prefetch_rows(values, 0, std::min(kKeyChunk, longest), d);
+    // the next chunk of keys, else the first of values
+    const bool last = j0 + kKeyChunk >= longest;
+    const KV* next = last ? values : keys + (j0 + kKeyChunk) * d;
+    const int64_t next_count = last ? std::min(kKeyChunk, longest) : std::min(kKeyChunk, longest - j0 - kKeyChunk);
+    if (!spread) prefetch_rows(next, 0, next_count, d);
     int64_t i = 0;
     for (; wide_rows && i + 1 < n; i += 2) {  // pairs i and i + 1: whole blocks of both together, the rest alone
       const int64_t both = std::max(j0, std::min(j0 + kKeyChunk, std::min(count[i], count[i + 1]) / 8 * 8));
@@ -2323,7 +2369,7 @@ void attend_rows(const float* const* q, const int64_t* count, int64_t n, const K
     for (; i < n; ++i)
       if (j0 < count[i])
         dot_scores(q[i], keys, j0, std::min(j0 + kKeyChunk, count[i]), count[i] / 8 * 8, d, scale,
-                   scratch + i * stride, tops[i]);
+                   scratch + i * stride, tops[i], share(next, next_count, i));
   }
   float inv[kPairsPerTask];
   const float* p[kPairsPerTask];
@@ -2339,7 +2385,9 @@ void attend_rows(const float* const* q, const int64_t* count, int64_t n, const K
     std::fill_n(a[i], d, 0.0f);
   }
   for (int64_t j0 = 0; j0 < longest; j0 += kKeyChunk) {
-    if (j0 + kKeyChunk < longest) prefetch_rows(values, j0 + kKeyChunk, std::min(j0 + 2 * kKeyChunk, longest), d);
+    const KV* next = values + (j0 + kKeyChunk) * d;
+    const int64_t next_count = std::max<int64_t>(0, std::min(kKeyChunk, longest - j0 - kKeyChunk));
+    if (!spread && next_count > 0) prefetch_rows(next, 0, next_count, d);
     // keys every pair attends, for up to 4 pairs at once, then each pair's own last keys
     const int64_t common = wide_rows && d % 64 == 0 ? std::max(j0, std::min(j0 + kKeyChunk, shortest)) : j0;
     if (common > j0)
@@ -2347,7 +2395,7 @@ void attend_rows(const float* const* q, const int64_t* count, int64_t n, const K
         wide::weighted_common(std::min<int64_t>(4, n - i), p + i, values, j0, common, d, a + i);
     for (int64_t i = 0; i < n; ++i) {
       const int64_t end = std::min(j0 + kKeyChunk, count[i]);
-      if (common < end) weighted_range(p[i], values, common, end, d, a[i]);
+      if (common < end) weighted_range(p[i], values, common, end, d, a[i], share(next, next_count, i));
     }
   }
   for (int64_t i = 0; i < n; ++i) {
@@ -2923,6 +2971,9 @@ TORCH_LIBRARY(agent_mtp_blockq, m) {
   // multiplies beside the tiles' full chunks (0-8 sets, -1 reads; 0: the tiles take every row)
   m.def("tail_rows(int rows=-1) -> int", &tail_rows);
   m.def("buffered_rows(int rows=-1) -> int", &buffered_rows);
+  // how attention's AVX2 loops ask for the next chunk of keys / values: 1 a few lines per block of 8 keys (the
+  // default), 0 the whole chunk at once (as before); -1 reads. The same numbers either way.
+  m.def("attention_prefetch(int request=-1) -> int", &attention_prefetch);
   // target[r] += low[r] b_t at the rows of runs (flattened [start, stop) pairs): an adapter's delta at the mask rows
   // (draft: b_t in bfloat16 for the rows of coarse_runs, mask rows that are only drafts; spans: low_rank_spans(b_t),
   // the rank rows not all zero per 64 outputs); low_rank_spans: those spans, [ceil(out / 64), 2] int32
