@@ -2161,7 +2161,8 @@ inline void weighted_values(const float* p, const KV* values, int64_t j0, int64_
   ahead.ask(ahead.lines);
 }
 
-// Every 64-dimension slice of acc[0:d] += sum_j p[j] * values[j] over [j0, j1) (8 accumulators in registers).
+// Every 64-dimension slice of acc[0:d] += sum_j p[j] * values[j] over [j0, j1) (8 accumulators in registers); the
+// first slice's loop asks for ``ahead``'s lines as it goes.
 template <typename KV>
 void weighted_range(const float* p, const KV* values, int64_t j0, int64_t j1, int64_t d, float* acc,
                     Ahead ahead = {}) {
@@ -2312,8 +2313,9 @@ void weighted_common(int64_t n, const float* const* p, const KV* values, int64_t
 // Zen 3 that burst stalled the thread once the core's outstanding misses were used up, and the loops then waited on
 // memory anyway: without any software prefetch the same attention took 0.94-0.96x the time. The AVX2 loops now ask
 // for the next chunk a few lines per block of 8 keys (each pair of the task a share of it; dot_scores and
-// weighted_values, `Ahead`): 0.83-0.89x the time of the burst (8 caches of 400 / 800 positions, one of 800, 8 rows on
-// one of 400; 30 layers' caches, cold). The AVX-512 pair loops keep the burst (not measured since).
+// weighted_values, `Ahead`): 0.82-0.92x the time of the burst (8 caches of 400 / 800 positions, one of 800, 8 rows on
+// one of 400; 30 layers' caches, cold; scripts/attention_prefetch.py), whole 8-sequence passes at 400 positions
+// 0.93-0.96x. The AVX-512 pair loops keep the burst (not measured since).
 // g_attention_prefetch: 1 spread (the default), 0 the burst at each chunk (tests and measurements compare them).
 std::atomic<int64_t> g_attention_prefetch{1};
 
@@ -2385,8 +2387,8 @@ void attend_rows(const float* const* q, const int64_t* count, int64_t n, const K
     std::fill_n(a[i], d, 0.0f);
   }
   for (int64_t j0 = 0; j0 < longest; j0 += kKeyChunk) {
-    const KV* next = values + (j0 + kKeyChunk) * d;
     const int64_t next_count = std::max<int64_t>(0, std::min(kKeyChunk, longest - j0 - kKeyChunk));
+    const KV* next = next_count > 0 ? values + (j0 + kKeyChunk) * d : values;
     if (!spread && next_count > 0) prefetch_rows(next, 0, next_count, d);
     // keys every pair attends, for up to 4 pairs at once, then each pair's own last keys
     const int64_t common = wide_rows && d % 64 == 0 ? std::max(j0, std::min(j0 + kKeyChunk, shortest)) : j0;
