@@ -50,12 +50,15 @@ def attention_call(sequences: int, context: int, rows: int) -> Callable[[], torc
 def pass_call(sequences: int, context: int) -> Callable[[], torch.Tensor]:
     """One batched pass of the default model: one new row for each of ``sequences`` caches of ``context`` tokens."""
     from agent_mtp.engine import MTPEngine
+    from agent_mtp.engine.fast import FastRunner
     from agent_mtp.engine.fast.model import BatchItem
 
     engine = MTPEngine.from_pretrained("default")
     engine.prepare_runtime()
-    fast = engine._fast_model()
-    assert fast is not None, "the fast runtime is not available here"
+    runner = engine.new_runner()
+    if not isinstance(runner, FastRunner):
+        raise SystemExit("The fast runtime is not available here.")
+    fast = runner.model
     generator = torch.Generator().manual_seed(0)
     caches = []
     for _ in range(sequences):

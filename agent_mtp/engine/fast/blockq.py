@@ -254,18 +254,6 @@ def buffered_from(rows: int) -> Iterator[int]:
 
 
 @contextlib.contextmanager
-def attention_prefetch(spread: bool) -> Iterator[bool]:
-    """Inside the block, attention's AVX2 loops ask for the next chunk of 64 keys (or values) a few cache lines per
-    block of 8 keys (``spread``, the default) or all of it before the chunk's first score (as before 2026-12-07),
-    process-wide, for measurements and tests: the same numbers either way (``attention_prefetch`` in
-    kernels/blockq.cpp). Yields ``spread``."""
-    if not kernels_available():
-        raise ConfigError("The block-weight kernels are not loaded in this process; there is no attention kernel.")
-    with _kernel_setting("attention_prefetch", int(spread)):
-        yield spread
-
-
-@contextlib.contextmanager
 def _kernel_setting(op: str, value: int) -> Iterator[None]:
     """Set one of the kernels' process-wide integers (``torch.ops.agent_mtp_blockq.<op>``: -1 reads it, a value sets
     it) inside the block, restored afterwards."""
@@ -451,6 +439,14 @@ def vnni(enable: bool) -> contextlib.AbstractContextManager[bool]:
     """Multiply block passes on AVX-512 VNNI (where the weights have records and the CPU has it) or with the AVX
     kernels inside the block, process-wide, for benchmarks and tests that compare them. Yields whether it is on."""
     return _switched("vnni_records", enable, "is no VNNI path")
+
+
+def attention_prefetch(spread: bool) -> contextlib.AbstractContextManager[bool]:
+    """Inside the block, attention's AVX2 loops ask for the next chunk of 64 keys (or values) a few cache lines per
+    block of 8 keys (``spread``, the default) or all of it before the chunk's first score (as before 2026-12-07),
+    process-wide, for measurements and tests: the same numbers either way (``attention_prefetch`` in
+    kernels/blockq.cpp). Yields ``spread``."""
+    return _switched("attention_prefetch", spread, "is no attention kernel")
 
 
 @contextlib.contextmanager
