@@ -1,9 +1,9 @@
-"""Attention's two prefetch forms side by side: the next chunk asked for as the loops go, or all at its start.
+"""Attention's prefetch forms side by side: the next chunk asked for as the loops go, or all at its start.
 
     .venv/bin/python scripts/attention_prefetch.py --sequences 8 --context 400             # attention alone
     .venv/bin/python scripts/attention_prefetch.py --sequences 8 --context 400 --passes    # whole batched passes
 
-Both forms give the same numbers (checked here on every call). The attention alone: one ``attend`` call per layer of
+The forms give the same numbers (checked here on every call). The attention alone: one ``attend`` call per layer of
 the default model's shape (9 query heads, 3 key / value heads of 64) over 30 layers' distinct caches (cold, as in a
 pass), ``--sequences`` caches of ``--context`` positions, ``--rows`` new rows each. With ``--passes``: whole
 ``FastModel.forward_batch`` passes of the default model, one row per sequence. The forms alternate in random order
@@ -92,20 +92,27 @@ def main() -> None:
         if args.passes
         else attention_call(args.sequences, args.context, args.rows)
     )
-    forms = {"spread (default)": True, "burst per chunk": False}
+    # the kernels' switch (attention_prefetch in kernels/blockq.cpp): 1 spread in every loop (the default), 0 a
+    # burst per chunk, 2 spread in the AVX2 loops and a burst in the AVX-512 pair loops (before 2026-12-07, evening)
+    forms = {"spread (default)": 1, "burst per chunk": 0, "burst in pairs": 2}
+    switch = torch.ops.agent_mtp_blockq.attention_prefetch
+    before = int(switch(-1))
     times: dict[str, list[float]] = {name: [] for name in forms}
     outputs: dict[str, torch.Tensor] = {}
-    for _ in range(args.calls):
-        for name in random.sample(list(forms), len(forms)):
-            with blockq.attention_prefetch(forms[name]):
+    try:
+        for _ in range(args.calls):
+            for name in random.sample(list(forms), len(forms)):
+                switch(forms[name])
                 started = time.perf_counter()
                 out = call()
                 times[name].append(time.perf_counter() - started)
-            if not torch.equal(outputs.setdefault(name, out), out):
-                raise SystemExit(f"{name}: a call gave other numbers than the same call before")
-    first, second = forms
-    if not torch.equal(outputs[first], outputs[second]):
-        raise SystemExit("the two forms gave different numbers")
+                if not torch.equal(outputs.setdefault(name, out), out):
+                    raise SystemExit(f"{name}: a call gave other numbers than the same call before")
+    finally:
+        switch(before)
+    first, second, _ = forms
+    if any(not torch.equal(outputs[first], out) for out in outputs.values()):
+        raise SystemExit("the forms gave different numbers")
     what = "passes" if args.passes else f"attention ({LAYERS} layers, {args.rows} rows each)"
     print(f"{what}: {args.sequences} sequences x {args.context} positions, {args.threads} threads")
     base = statistics.median(times[second])

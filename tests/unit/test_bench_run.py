@@ -281,7 +281,7 @@ def test_fast_avx2_variants_run_the_avx2_kernels():
         pytest.skip("block-weight kernels unavailable here")
     before = blockq.avx512_active()
     with kernels_for(FAST_AVX2), blockq.buffered_from(blockq.BUFFERED_ROWS):
-        assert not blockq.avx512_active() and blockq.kernel_tag() == "blockq13"  # its own cost curve
+        assert not blockq.avx512_active() and blockq.kernel_tag() == "blockq14"  # its own cost curve
     assert blockq.avx512_active() == before
     with kernels_for("fast"):
         assert blockq.avx512_active() == before

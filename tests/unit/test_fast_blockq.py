@@ -517,14 +517,14 @@ def test_avx512_passes_give_the_avx2_logits(monkeypatch: pytest.MonkeyPatch, ada
 def test_kernel_tag_names_the_avx512_forms() -> None:
     with blockq.buffered_from(blockq.BUFFERED_ROWS):  # a model loaded before may have moved the threshold (-b5)
         with blockq.avx512(True) as on:
-            assert blockq.kernel_tag() == ("blockq13-avx512" if on else "blockq13")
+            assert blockq.kernel_tag() == ("blockq14-avx512" if on else "blockq14")
         if on:
             with blockq.avx512(blockq.Wide.ROWS):
-                assert blockq.kernel_tag() == "blockq13-avx512rows" and blockq.avx512_forms() == blockq.Wide.ROWS
+                assert blockq.kernel_tag() == "blockq14-avx512rows" and blockq.avx512_forms() == blockq.Wide.ROWS
             with blockq.avx512(blockq.Wide.LANES):
-                assert blockq.kernel_tag() == "blockq13-avx512lanes" and blockq.avx512_active()
+                assert blockq.kernel_tag() == "blockq14-avx512lanes" and blockq.avx512_active()
         with blockq.avx512(False):
-            assert blockq.kernel_tag() == "blockq13" and not blockq.avx512_active()
+            assert blockq.kernel_tag() == "blockq14" and not blockq.avx512_active()
 
 
 @pytest.mark.parametrize(("value", "forms"), [("0", "0"), ("rows", "1"), ("LANES", "2")])
@@ -742,11 +742,11 @@ def test_attention_of_a_row_does_not_depend_on_the_rows_beside_it(start: int, n:
 def test_attention_asks_for_its_next_chunks_without_changing_a_number(
     heads: int, kv_heads: int, d: int, half: bool
 ) -> None:
-    """The AVX2 loops ask for the next chunk of keys / values as they go (a share per (row, head) pair of a task) or,
-    in the earlier form, all of it at each chunk's start: the same bits in the output and the caches, for heads of
-    64, narrower (24, 40: value loops of 3 and 5 vectors) and wider (128: two slices), float32 and float16 caches,
-    chunks cut short, rows of one task attending different counts, a cache past 1,024 positions (segments), and
-    2 threads."""
+    """Attention's loops ask for the next chunk of keys / values as they go (a share per (row, head) pair of a task,
+    or per group of pairs in the AVX-512 pair loops where the CPU has them), or all of it at each chunk's start, or
+    the burst in the pair loops only: the same bits in the output and the caches, for heads of 64, narrower (24, 40:
+    value loops of 3 and 5 vectors) and wider (128: two slices), float32 and float16 caches, chunks cut short, rows
+    of one task attending different counts, a cache past 1,024 positions (segments), and 2 threads."""
     starts, rows = [0, 3, 61, 200, 1100], [2, 1, 5, 3, 1]
     width = (heads + 2 * kv_heads) * d
     qkv = torch.randn(sum(rows), width)
@@ -755,26 +755,30 @@ def test_attention_asks_for_its_next_chunks_without_changing_a_number(
     history = [torch.randn(2, kv_heads, s + r + 5, d).to(dtype) for s, r in zip(starts, rows, strict=True)]
     results = []
     before = torch.get_num_threads()
+    switch = torch.ops.agent_mtp_blockq.attention_prefetch
     try:
         torch.set_num_threads(2)
-        for spread in (True, False):
+        for form in (1, 0, 2):  # spread everywhere, a burst per chunk, a burst in the pair loops only
             caches = [c.clone() for c in history]
-            with blockq.attention_prefetch(spread):
-                out = torch.ops.agent_mtp_blockq.attend(
-                    qkv.clone(), rope, caches, starts, rows, heads, kv_heads, d, 0.3
-                )
+            switch(form)
+            out = torch.ops.agent_mtp_blockq.attend(qkv.clone(), rope, caches, starts, rows, heads, kv_heads, d, 0.3)
             results.append((out, caches))
+        switch(0)
+        with blockq.attention_prefetch(True):
+            assert switch(-1) == 1
+        assert switch(-1) == 0  # the setting before the block, restored
     finally:
+        switch(1)
         torch.set_num_threads(before)
-    (spread_out, spread_caches), (burst_out, burst_caches) = results
-    assert torch.equal(spread_out, burst_out)
-    assert all(torch.equal(a, b) for a, b in zip(spread_caches, burst_caches, strict=True))
-    assert torch.ops.agent_mtp_blockq.attention_prefetch(-1) == 1  # the default, restored
+    spread_out, spread_caches = results[0]
+    for out, caches in results[1:]:
+        assert torch.equal(spread_out, out)
+        assert all(torch.equal(a, b) for a, b in zip(spread_caches, caches, strict=True))
 
 
 def test_attention_prefetch_setting_rejects_an_unknown_form() -> None:
-    with pytest.raises(RuntimeError, match=r"attention_prefetch takes -1 \(read\), 0 .* got 2"):
-        torch.ops.agent_mtp_blockq.attention_prefetch(2)
+    with pytest.raises(RuntimeError, match=r"attention_prefetch takes -1 \(read\), 0 .* got 3"):
+        torch.ops.agent_mtp_blockq.attention_prefetch(3)
     assert torch.ops.agent_mtp_blockq.attention_prefetch(-1) == 1
 
 
@@ -1060,7 +1064,7 @@ def test_kernel_form_is_settled_once_per_process_unless_pinned(monkeypatch: pyte
         assert blockq.avx512_forms() == blockq.Wide.ROWS
         assert blockq.settle_avx512(measure(blockq.Wide.NONE)) == blockq.Wide.ROWS and calls == [1]  # measured once
         with blockq.buffered_from(blockq.BUFFERED_ROWS):
-            assert blockq.kernel_tag() == "blockq13-avx512rows"
+            assert blockq.kernel_tag() == "blockq14-avx512rows"
         monkeypatch.setattr(blockq, "_settled", [])
         monkeypatch.setenv(blockq.AVX512_ENV, "1")
         with blockq.avx512(True):

@@ -161,7 +161,7 @@ def test_record_switches_and_kernel_tag(path: str) -> None:
             with blockq.vnni(True) as both:  # short passes on VNNI: a tag (cost curve) of its own
                 assert blockq.kernel_tag() == ("blockq8-vnni3-amx6-24" if both else "blockq8-amx")
     else:
-        assert tag.startswith("blockq13") and tag.endswith("-vnni3")
+        assert tag.startswith("blockq14") and tag.endswith("-vnni3")
     with blockq.avx_kernels():
         assert not blockq.records_active() and not blockq.kernel_tag().endswith(("-amx", "-vnni3"))
     assert blockq.records_active() and blockq.kernel_tag() == tag

@@ -442,10 +442,10 @@ def vnni(enable: bool) -> contextlib.AbstractContextManager[bool]:
 
 
 def attention_prefetch(spread: bool) -> contextlib.AbstractContextManager[bool]:
-    """Inside the block, attention's AVX2 loops ask for the next chunk of 64 keys (or values) a few cache lines per
+    """Inside the block, attention's loops ask for the next chunk of 64 keys (or values) a few cache lines per
     block of 8 keys (``spread``, the default) or all of it before the chunk's first score (as before 2026-12-07),
     process-wide, for measurements and tests: the same numbers either way (``attention_prefetch`` in
-    kernels/blockq.cpp). Yields ``spread``."""
+    kernels/blockq.cpp, whose form 2 keeps the burst in the AVX-512 pair loops only). Yields ``spread``."""
     return _switched("attention_prefetch", spread, "is no attention kernel")
 
 
@@ -511,8 +511,8 @@ def kernel_tag() -> str:
     # 12: from 9 rows (a tie on Zen 3, 0.75x the time at 10-12 rows on Zen 1); 13: attention's AVX2 loops ask for
     # the next chunk of keys / values as they go (0.82-0.92x the attention time on Zen 3)
     forms = avx512_forms()
-    tag = {Wide.NONE: "blockq13", Wide.ALL: "blockq13-avx512"}.get(
-        forms, f"blockq13-avx512{(forms.name or '').lower()}"
+    tag = {Wide.NONE: "blockq14", Wide.ALL: "blockq14-avx512"}.get(
+        forms, f"blockq14-avx512{(forms.name or '').lower()}"
     )
     if not forms & Wide.LANES and buffered_rows() != BUFFERED_ROWS:  # AVX2 lane passes buffered from fewer rows
         tag += f"-b{buffered_rows()}"

@@ -2246,9 +2246,11 @@ inline __m512 load16(const uint16_t* p) {
 // Scores of rows a and b for the key blocks [j0, j1) (multiples of 8): dot_scores' block operations, a low, b high.
 template <typename KV>
 void dot_pair(const float* qa, const float* qb, const KV* keys, int64_t j0, int64_t j1, int64_t d, float scale,
-              float* sa, float* sb, ScoreMax& ta, ScoreMax& tb) {
+              float* sa, float* sb, ScoreMax& ta, ScoreMax& tb, Ahead ahead = {}) {
   const __m512 vscale = _mm512_set1_ps(scale);
+  const int64_t per_block = ahead.per_block(j1 - j0);
   for (int64_t j = j0; j < j1; j += 8) {
+    ahead.ask(per_block);
     const KV* kj = keys + j * d;
     __m512 acc[8];
     for (int i = 0; i < 8; ++i) acc[i] = _mm512_setzero_ps();
@@ -2264,17 +2266,21 @@ void dot_pair(const float* qa, const float* qb, const KV* keys, int64_t j0, int6
     ta.blocks = _mm256_max_ps(ta.blocks, lo);
     tb.blocks = _mm256_max_ps(tb.blocks, hi);
   }
+  ahead.ask(ahead.lines);
 }
 
 // acc[r][0:d] += sum_j p[r][j] * values[j] for j in [j0, j1) and R rows (d a multiple of 64): each value row read
 // once for all of them.
 template <int R, typename KV>
-void weighted_rows(const float* const* p, const KV* values, int64_t j0, int64_t j1, int64_t d, float* const* out) {
+void weighted_rows(const float* const* p, const KV* values, int64_t j0, int64_t j1, int64_t d, float* const* out,
+                   Ahead ahead) {
+  const int64_t per_block = ahead.per_block(j1 - j0);
   for (int64_t c = 0; c < d; c += 64) {
     __m512 acc[R][4];
     for (int r = 0; r < R; ++r)
       for (int t = 0; t < 4; ++t) acc[r][t] = _mm512_loadu_ps(out[r] + c + 16 * t);
     for (int64_t j = j0; j < j1; ++j) {
+      if (((j - j0) & 7) == 0) ahead.ask(per_block);  // the first slice's loop asks for the lines
       const KV* vj = values + j * d + c;
       const __m512 v0 = load16(vj), v1 = load16(vj + 16), v2 = load16(vj + 32), v3 = load16(vj + 48);
       for (int r = 0; r < R; ++r) {
@@ -2288,16 +2294,17 @@ void weighted_rows(const float* const* p, const KV* values, int64_t j0, int64_t 
     for (int r = 0; r < R; ++r)
       for (int t = 0; t < 4; ++t) _mm512_storeu_ps(out[r] + c + 16 * t, acc[r][t]);
   }
+  ahead.ask(ahead.lines);
 }
 
 template <typename KV>
 void weighted_common(int64_t n, const float* const* p, const KV* values, int64_t j0, int64_t j1, int64_t d,
-                     float* const* out) {
+                     float* const* out, Ahead ahead = {}) {
   switch (n) {
-    case 4: weighted_rows<4>(p, values, j0, j1, d, out); break;
-    case 3: weighted_rows<3>(p, values, j0, j1, d, out); break;
-    case 2: weighted_rows<2>(p, values, j0, j1, d, out); break;
-    default: weighted_rows<1>(p, values, j0, j1, d, out); break;
+    case 4: weighted_rows<4>(p, values, j0, j1, d, out, ahead); break;
+    case 3: weighted_rows<3>(p, values, j0, j1, d, out, ahead); break;
+    case 2: weighted_rows<2>(p, values, j0, j1, d, out, ahead); break;
+    default: weighted_rows<1>(p, values, j0, j1, d, out, ahead); break;
   }
 }
 
@@ -2315,13 +2322,17 @@ void weighted_common(int64_t n, const float* const* p, const KV* values, int64_t
 // for the next chunk a few lines per block of 8 keys (each pair of the task a share of it; dot_scores and
 // weighted_values, `Ahead`): 0.82-0.92x the time of the burst (8 caches of 400 / 800 positions, one of 800, 8 rows on
 // one of 400; 30 layers' caches, cold; scripts/attention_prefetch.py), whole 8-sequence passes at 400 positions
-// 0.93-0.96x. The AVX-512 pair loops keep the burst (not measured since).
-// g_attention_prefetch: 1 spread (the default), 0 the burst at each chunk (tests and measurements compare them).
+// 0.93-0.96x. The AVX-512 pair loops (dot_pair, weighted_rows) do the same since, each pair or group of pairs its
+// share: on a 2-core Zen 4, against the burst there, attention alone 0.80-0.81x (8 caches of 400 / 800 positions),
+// 0.91x (8 rows on one of 400), whole passes 0.94x (8 and 16 caches of 400), 0.90x (one of 1,500).
+// g_attention_prefetch: 1 spread (the default), 0 the burst at each chunk, 2 spread in the AVX2 loops and a burst in
+// the pair loops (the form before; tests and measurements compare them).
 std::atomic<int64_t> g_attention_prefetch{1};
 
 int64_t attention_prefetch(int64_t request) {
-  TORCH_CHECK(request >= -1 && request <= 1, "attention_prefetch takes -1 (read), 0 (a burst per chunk) or 1 "
-              "(spread over the loops), got ", request);
+  TORCH_CHECK(request >= -1 && request <= 2, "attention_prefetch takes -1 (read), 0 (a burst per chunk), 1 "
+              "(spread over the loops) or 2 (spread over the AVX2 loops, a burst for the AVX-512 pairs), got ",
+              request);
   if (request >= 0) g_attention_prefetch = request;
   return g_attention_prefetch.load();
 }
@@ -2345,12 +2356,13 @@ void attend_rows(const float* const* q, const int64_t* count, int64_t n, const K
   const bool wide_rows = n > 1 && wide_rows_on();
   float* acc = scratch + n * stride;
   ScoreMax tops[kPairsPerTask];
-  // the AVX2 loops ask for the next chunk as they go, each pair a share (see prefetch_rows)
-  const bool spread = !wide_rows && g_attention_prefetch.load(std::memory_order_relaxed) == 1;
-  const auto share = [&](const KV* rows, int64_t count, int64_t i) {
+  // the loops ask for the next chunk as they go, pairs [i, k) a share (see prefetch_rows)
+  const int64_t form = g_attention_prefetch.load(std::memory_order_relaxed);
+  const bool spread = form == 1 || (form == 2 && !wide_rows);
+  const auto share = [&](const KV* rows, int64_t count, int64_t i, int64_t k) {
     const int64_t lines = (count * d * static_cast<int64_t>(sizeof(KV)) + 63) / 64;
     const int64_t first = lines * i / n;
-    return spread ? Ahead{reinterpret_cast<const char*>(rows) + first * 64, lines * (i + 1) / n - first} : Ahead{};
+    return spread ? Ahead{reinterpret_cast<const char*>(rows) + first * 64, lines * k / n - first} : Ahead{};
   };
   for (int64_t j0 = 0; j0 < longest; j0 += kKeyChunk) {
     // the next chunk of keys, else the first of values
@@ -2362,7 +2374,8 @@ void attend_rows(const float* const* q, const int64_t* count, int64_t n, const K
     for (; wide_rows && i + 1 < n; i += 2) {  // pairs i and i + 1: whole blocks of both together, the rest alone
       const int64_t both = std::max(j0, std::min(j0 + kKeyChunk, std::min(count[i], count[i + 1]) / 8 * 8));
       float* sa = scratch + i * stride;
-      wide::dot_pair(q[i], q[i + 1], keys, j0, both, d, scale, sa, sa + stride, tops[i], tops[i + 1]);
+      wide::dot_pair(q[i], q[i + 1], keys, j0, both, d, scale, sa, sa + stride, tops[i], tops[i + 1],
+                     share(next, next_count, i, i + 2));
       for (int64_t r = i; r < i + 2; ++r) {
         const int64_t end = std::min(j0 + kKeyChunk, count[r]);
         if (both < end) dot_scores(q[r], keys, both, end, count[r] / 8 * 8, d, scale, scratch + r * stride, tops[r]);
@@ -2371,7 +2384,7 @@ void attend_rows(const float* const* q, const int64_t* count, int64_t n, const K
     for (; i < n; ++i)
       if (j0 < count[i])
         dot_scores(q[i], keys, j0, std::min(j0 + kKeyChunk, count[i]), count[i] / 8 * 8, d, scale,
-                   scratch + i * stride, tops[i], share(next, next_count, i));
+                   scratch + i * stride, tops[i], share(next, next_count, i, i + 1));
   }
   float inv[kPairsPerTask];
   const float* p[kPairsPerTask];
@@ -2394,10 +2407,12 @@ void attend_rows(const float* const* q, const int64_t* count, int64_t n, const K
     const int64_t common = wide_rows && d % 64 == 0 ? std::max(j0, std::min(j0 + kKeyChunk, shortest)) : j0;
     if (common > j0)
       for (int64_t i = 0; i < n; i += 4)
-        wide::weighted_common(std::min<int64_t>(4, n - i), p + i, values, j0, common, d, a + i);
-    for (int64_t i = 0; i < n; ++i) {
+        wide::weighted_common(std::min<int64_t>(4, n - i), p + i, values, j0, common, d, a + i,
+                              share(next, next_count, i, std::min<int64_t>(i + 4, n)));
+    for (int64_t i = 0; i < n; ++i) {  // (where the common loops ran, they asked for the lines)
       const int64_t end = std::min(j0 + kKeyChunk, count[i]);
-      if (common < end) weighted_range(p[i], values, common, end, d, a[i], share(next, next_count, i));
+      if (common < end)
+        weighted_range(p[i], values, common, end, d, a[i], common > j0 ? Ahead{} : share(next, next_count, i, i + 1));
     }
   }
   for (int64_t i = 0; i < n; ++i) {
