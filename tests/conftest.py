@@ -10,6 +10,10 @@ import torch
 
 # Tests must not fight each other (or a background job) for the 2 cores.
 torch.set_num_threads(int(os.environ.get("AGENT_MTP_TEST_THREADS", "1")))
+# Planners read the curve a test sets as it is: the live correction by the process's own pass times
+# (engine/cost.py PassTimes, on by default) would make their choices depend on the tests that ran before them;
+# tests/unit/test_live_cost_curve.py turns it on where it is tested.
+os.environ.setdefault("AGENT_MTP_COST_CURVE", "stored")
 
 pytest_plugins: list[str] = ["tests.fixtures.redis_server"]
 

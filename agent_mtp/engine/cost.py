@@ -10,7 +10,10 @@ import bisect
 import contextlib
 import functools
 import json
+import statistics
+import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -228,3 +231,105 @@ def load_or_measure(path: Path, measure: Callable[[], CostCurve]) -> CostCurve:
 def store_curve(path: Path, curve: CostCurve) -> None:
     """Write ``curve`` to ``path`` (atomically); OSError if the folder cannot be written."""
     write_atomically(path, curve.to_json())
+
+
+LIVE_WINDOW = 64
+"""Pass times kept per kind of pass (the most recent) by :class:`PassTimes`."""
+LIVE_MIN_PASSES = 12
+"""Passes of a kind (and of one-token passes) before their median ratio stands in for the stored curve's point."""
+LIVE_MAX_TOKENS = 8
+"""Largest pass (real tokens, or one real token and masks) whose time is kept: decode passes, not prefills."""
+
+
+class PassTimes:
+    """This process's own times of one sequence's decode passes, by kind, to correct the stored cost curve with.
+
+    Why: the curve is measured once per machine and kept on disk (:func:`load_or_measure`), but what a pass of n
+    tokens costs against one moves with the machine's state: on a 2-core Zen 4 VM the stored curve said a 2-token pass
+    cost 1.07x a one-token pass and 1 real token + 2 draft masks 1.27x, while the same engine's passes in decoding took
+    1.19x and 1.44x minutes later; the planner bought masks that did not pay and ``verified`` ran 0.96x ``ntp``
+    (with the curve measured again, 1.08x). The decode loop records how long each of its passes took
+    (:meth:`record`: the runner's forward, or a greedy run's time per step), and every new generation plans on
+    :meth:`calibrated`: the stored curve with each point where this process has enough passes of that kind replaced
+    by the median time of those passes over the median one-token pass.
+
+    Kinds: ``(real, 0, False)`` a pass of ``real`` real tokens (pending and draft tokens); ``(1, masks, True)`` one
+    real token and ``masks`` draft-only masks (``verified``'s, :attr:`CostCurve.draft`); ``(1, masks, False)`` one
+    real token and exact masks (static and ConfAdapt, :attr:`CostCurve.points`). Passes that mix draft tokens and
+    masks, or are larger than :data:`LIVE_MAX_TOKENS`, are not kept. Thread-safe."""
+
+    def __init__(self, *, window: int = LIVE_WINDOW, min_passes: int = LIVE_MIN_PASSES) -> None:
+        if window < 1 or not 1 <= min_passes <= window:
+            raise ValueError(f"window={window}, min_passes={min_passes}: use 1 <= min_passes <= window.")
+        self.window = window
+        self.min_passes = min_passes
+        self._times: dict[tuple[int, int, bool], deque[float]] = {}
+        self._lock = threading.Lock()
+        self._recorded = 0
+        self._cache: tuple[CostCurve, int, CostCurve] | None = None  # (prior, recorded, calibrated)
+
+    def record(self, real: int, masks: int, seconds: float, *, draft_masks: bool = False) -> None:
+        """One pass of ``real`` real tokens and ``masks`` masks (draft-only where ``draft_masks``) took
+        ``seconds``. Kinds that no curve point describes are ignored."""
+        if seconds <= 0.0 or real < 1 or masks < 0 or (masks and real != 1) or real + masks > LIVE_MAX_TOKENS:
+            return
+        key = (real, masks, draft_masks and masks > 0)
+        with self._lock:
+            times = self._times.get(key)
+            if times is None:
+                times = self._times[key] = deque(maxlen=self.window)
+            times.append(seconds)
+            self._recorded += 1
+
+    def medians(self) -> dict[tuple[int, int, bool], float]:
+        """The median time of each kind with at least ``min_passes`` passes kept."""
+        with self._lock:
+            kept = {key: list(times) for key, times in self._times.items() if len(times) >= self.min_passes}
+        return {key: statistics.median(times) for key, times in kept.items()}
+
+    def calibrated(self, prior: CostCurve) -> CostCurve:
+        """``prior`` with every point that this process has measured replaced by what its own passes took (see the
+        class docstring); ``prior`` itself until enough one-token passes are kept. Built again only after new
+        passes were recorded."""
+        with self._lock:
+            cache, recorded = self._cache, self._recorded
+        if cache is not None and cache[0] is prior and cache[1] == recorded:
+            return cache[2]
+        medians = self.medians()
+        base = medians.get((1, 0, False))
+        curve = prior
+        if base is not None:
+            measured = {key: value / base for key, value in medians.items() if key != (1, 0, False)}
+            real = {r: c for (r, m, _), c in measured.items() if m == 0}
+            exact_masks = {1 + m: c for (_, m, d), c in measured.items() if m and not d}
+            draft_masks = {1 + m: c for (_, m, d), c in measured.items() if m and d}
+            curve = CostCurve(
+                _replaced(prior.points, exact_masks),
+                prior.mask_share,
+                _replaced(prior.real if prior.real is not None else prior.points, real),
+                _replaced(prior.draft, draft_masks) if prior.draft is not None else None,
+            )
+        with self._lock:
+            self._cache = (prior, recorded, curve)
+        return curve
+
+
+def _replaced(points: tuple[tuple[int, float], ...], measured: dict[int, float]) -> tuple[tuple[int, float], ...]:
+    """``points`` with the ``measured`` costs (by tokens fed) in place of theirs or added; a stored point past a
+    measured one scaled as that one was (what the stored curve says a pass adds beyond it, in the measured pass's
+    proportion); each within [1, n] and never below a smaller pass's (as :func:`_relative` keeps a measured curve)."""
+    if not measured:
+        return points
+    xs, ys = [p[0] for p in points], [p[1] for p in points]
+    merged = dict(points)
+    merged.update(measured)
+    out, best, scale = [], 1.0, 1.0
+    for n in sorted(merged):
+        if n in measured:
+            cost = measured[n]
+            scale = cost / max(_interpolate(xs, ys, n), 1e-9)
+        else:
+            cost = merged[n] * scale
+        best = max(best, min(max(cost, 1.0), float(n)) if n > 1 else 1.0)
+        out.append((n, best))
+    return tuple(out)

@@ -29,6 +29,7 @@ from agent_mtp.engine.acceptance import (
 )
 from agent_mtp.engine.config import DecodeConfig
 from agent_mtp.engine.constraints import TokenConstraint
+from agent_mtp.engine.cost import PassTimes
 from agent_mtp.engine.drafts import Draft, DraftSource, MTPDraftSource, NgramDraftSource
 from agent_mtp.engine.planner import FUTURE_CREDIT, Plan, Planner
 from agent_mtp.engine.results import DecodeStats, FinishReason, StreamChunk
@@ -56,6 +57,9 @@ class DecodeSetup:
     """Decides draft and masks of every pass (one per generation: it learns acceptance rates)."""
     coarse_masks: bool = False
     """``verified`` on a fast runner: compute the mask rows (only drafts) on an 8-bit grid where the runtime can."""
+    pass_times: PassTimes | None = None
+    """Where the loop records how long its passes took and whose :meth:`PassTimes.calibrated` curve the planner
+    plans on (a sequence decoding alone; None beside others, whose runner prices its shared passes itself)."""
 
 
 @dataclass
@@ -97,8 +101,12 @@ def decode(
         raise ValueError(f"The runner holds {cached} tokens of a {len(prompt_ids)}-token prompt; at most all but one.")
     stats = DecodeStats(mode=cfg.mode, prompt_tokens=len(prompt_ids), cached_prompt_tokens=cached)
     share_curve = getattr(runner, "share_curve", None)  # a runner whose passes are shared (engine/batching.py)
-    if share_curve is not None and setup.planner.curve is not None:
-        setup.planner.curve = share_curve(setup.planner.curve)
+    if share_curve is not None:
+        setup.pass_times = None  # its passes' times are the batch's, not this sequence's
+        if setup.planner.curve is not None:
+            setup.planner.curve = share_curve(setup.planner.curve)
+    elif setup.pass_times is not None and setup.planner.curve is not None:
+        setup.planner.curve = setup.pass_times.calibrated(setup.planner.curve)
     if hasattr(runner, "coarse_masks"):  # a fast runner: mask rows of a verified pass are only drafts
         runner.coarse_masks = cfg.mode == "verified" and setup.coarse_masks
     if hasattr(runner, "argmax_only"):  # a fast runner: greedy rows read only for their argmax (the runner's top)
@@ -231,9 +239,12 @@ def _greedy_run(
     deadline against the time its pass ended; the passes after a finishing token are dropped from the cache, which
     then holds what the loop's own passes would have left. Returns the finish reason, or None to go on."""
     with single_threaded():
+        began = time.perf_counter()
         tokens, ended = runner.greedy_steps(
             state.pending[0], steps, setup.eos_token_ids | set(cfg.stop_token_ids), watch
         )
+    if setup.pass_times is not None and tokens:  # one-token passes: the time a step of the run took
+        setup.pass_times.record(1, 0, (ended[-1] - began) / len(tokens))
     if cfg.mode != "ntp" and len(tokens) < steps:  # ended early (the watch, a stop token): not all made
         setup.planner.unplanned(steps - len(tokens))
     for i, token in enumerate(tokens):
@@ -281,7 +292,11 @@ def _one_pass(
     draft_tokens = plan.draft_tokens
     feed = state.pending + draft_tokens + [setup.mask_token_id] * masks
     keep = len(draft_tokens) + masks + 1
+    began = time.perf_counter()
     logits = runner.forward(feed, keep)  # [keep, V]: row 0 = last pending token
+    if setup.pass_times is not None and stats.forward_passes:  # a decode pass (not the prefill)
+        real, spent = len(state.pending) + len(draft_tokens), time.perf_counter() - began
+        setup.pass_times.record(real, masks, spent, draft_masks=cfg.mode == "verified")  # verified's: drafts
     top = getattr(runner, "greedy", None) if cfg.temperature <= 0 else None  # the runner's argmax per row, if any
     # The mask token is never a prediction. The runner's argmax already leaves it out; the logits need it at -inf
     # only where something reads them: sampling, mask rows' confidences, the fallback of a constraint that could

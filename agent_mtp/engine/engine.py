@@ -17,7 +17,14 @@ import torch
 from agent_mtp.engine.adapter import MTPAdapter, load_adapter
 from agent_mtp.engine.config import DecodeConfig
 from agent_mtp.engine.constraints import TokenConstraint
-from agent_mtp.engine.cost import CURVE_POINTS, CostCurve, load_or_measure, measure_cost_curve, store_curve
+from agent_mtp.engine.cost import (
+    CURVE_POINTS,
+    CostCurve,
+    PassTimes,
+    load_or_measure,
+    measure_cost_curve,
+    store_curve,
+)
 from agent_mtp.engine.decode import DecodeSetup, decode
 from agent_mtp.engine.fast import FastModel, FastRunner, blockq, unsupported_reason
 from agent_mtp.engine.fast.choices import machine_key
@@ -64,6 +71,12 @@ ROW_GRID_ENV = "AGENT_MTP_ROW_GRID"
 largest input: outputs ~1e-5 of their scale off, so output may differ from the float32 model's at near-ties; on
 VNNI a real row then costs 16 integer products a block instead of 24, which passes of many rows -- batches of
 sequences, verified's checked drafts -- are bound by). No effect on the AVX kernels (float32 throughout)."""
+CostCurveSource = Literal["live", "stored"]
+COST_CURVE_SOURCES: tuple[str, ...] = ("live", "stored")
+COST_CURVE_ENV = "AGENT_MTP_COST_CURVE"
+"""Which cost curve the planner of a sequence decoding alone reads: ``live`` (default; the stored curve with the
+points this process has timed in its own decode passes in their place, :class:`~agent_mtp.engine.cost.PassTimes`)
+or ``stored`` (the curve measured once per machine, as it is on disk)."""
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
@@ -118,6 +131,7 @@ class MTPEngine:
         draft_masks: DraftMasks | None = None,
         kv_cache: KVCache | None = None,
         row_grid: RowGrid | None = None,
+        cost_curve_source: CostCurveSource | None = None,
     ) -> None:
         self.loaded = loaded
         self.model = loaded.model
@@ -143,6 +157,11 @@ class MTPEngine:
         self.row_grid: RowGrid = row_grid_setting(row_grid, self.runtime)
         """The fast runtime's grid for real rows on its record paths: "int24" (exact) or "int16" (fewer products a
         row; see :data:`ROW_GRID_ENV`); ``$AGENT_MTP_ROW_GRID`` by default. Always "int24" on the HF runtime."""
+        self.cost_curve_source: CostCurveSource = cost_curve_source_setting(cost_curve_source)
+        """What the planner of a sequence decoding alone prices passes with: "live" (the stored curve corrected by
+        this engine's own pass times, :attr:`pass_times`) or "stored"; ``$AGENT_MTP_COST_CURVE`` by default."""
+        self.pass_times = PassTimes()
+        """How long this engine's decode passes of one sequence took, by kind (recorded by the decode loop)."""
         self._fast: FastModel | None = None
         self._signature = SourceSignature(self.model)
         """The model's weight signature: the fast model and the prefix cache are reused while it holds."""
@@ -166,12 +185,14 @@ class MTPEngine:
         prefix_cache_mb: float | None = None,
         kv_cache: KVCache | None = None,
         row_grid: RowGrid | None = None,
+        cost_curve_source: CostCurveSource | None = None,
     ) -> MTPEngine:
         """Load ``"default"`` (the embedded SmolLM2-135M-Instruct + its shipped MTP adapter), a hub id, or a local
         directory. ``adapter``: "auto" (the shipped adapter for the default model, or ``<dir>/mtp_adapter`` beside a
         local model), a directory, or None for the bare model with an untrained mask token. ``runtime``: "auto",
         "fast" or "hf"; ``prefix_cache_mb``: the prefix cache's budget (see the class docstring); ``kv_cache``:
-        "fp32" or "fp16" (:data:`KV_CACHE_ENV`); ``row_grid``: "int24" or "int16" (:data:`ROW_GRID_ENV`)."""
+        "fp32" or "fp16" (:data:`KV_CACHE_ENV`); ``row_grid``: "int24" or "int16" (:data:`ROW_GRID_ENV`);
+        ``cost_curve_source``: "live" or "stored" (:data:`COST_CURVE_ENV`)."""
         torch_dtype = _dtype(dtype)
         loaded = compute().run(  # torch work of loading runs where the passes will (engine/threads.py)
             load_model,
@@ -204,6 +225,7 @@ class MTPEngine:
             prefix_cache_mb=prefix_cache_mb,
             kv_cache=kv_cache,
             row_grid=row_grid,
+            cost_curve_source=cost_curve_source,
         )
 
     # -- prompts ------------------------------------------------------------------------------------------------
@@ -280,7 +302,11 @@ class MTPEngine:
         cfg = self._fit_to_context(cfg, len(ids))
         curve = self.cost_curve if needs_cost_curve(cfg) else None
         setup = DecodeSetup(
-            self.mask_token_id, self.eos_token_ids, Planner.for_config(cfg, curve), self.draft_masks == "int8"
+            self.mask_token_id,
+            self.eos_token_ids,
+            Planner.for_config(cfg, curve),
+            self.draft_masks == "int8",
+            self.pass_times if self.cost_curve_source == "live" else None,
         )
         if runner is not None:
             if runner.length:
@@ -381,6 +407,7 @@ class MTPEngine:
             draft_masks=masks,
             kv_cache=kv,
             row_grid=grid,
+            cost_curve_source=self.cost_curve_source,
         )
 
     def prepare_runtime(self) -> None:
@@ -589,6 +616,13 @@ def draft_masks_setting(value: str | None) -> DraftMasks:
     hint = "a way to compute verified's mask rows; use 'int8' (the default: drafts on an 8-bit grid, same output) or "
     hint += "'exact'"
     return cast(DraftMasks, _choice("draft_masks", value, DRAFT_MASKS_ENV, DRAFT_MASKS, "int8", hint))
+
+
+def cost_curve_source_setting(value: str | None) -> CostCurveSource:
+    """``value``, else ``$AGENT_MTP_COST_CURVE``, else "live"; a clear error for anything else."""
+    hint = "a cost curve source; use 'live' (the default: the stored curve corrected by this process's own passes) "
+    hint += "or 'stored'"
+    return cast(CostCurveSource, _choice("cost_curve_source", value, COST_CURVE_ENV, COST_CURVE_SOURCES, "live", hint))
 
 
 def prefix_cache_mb_setting(value: float | None) -> float:

@@ -355,9 +355,17 @@ class Planner:
         allowance = EXPLORE_OVERHEAD * self.explore_every * cost(1)
         most = max(min(self.k_cap - 1, room - length), 0) if self.masks else 0
         masks = 0
-        while masks < most and self._mask_share * (cost(fed + masks + 1) - cost(fed)) <= allowance:
+        while masks < most and self._masks_add(fed, masks + 1, cost) <= allowance:
             masks += 1
         return masks
+
+    def _masks_add(self, fed: int, masks: int, cost: Callable[[int], float]) -> float:
+        """What ``masks`` masks add to a pass feeding ``fed`` tokens: on the draft-mask curve where ``verified``'s
+        are priced apart (:attr:`CostCurve.draft`, which the live curve corrects from this process's passes), else
+        as rows of ``cost`` at :attr:`_mask_share`."""
+        if self.mode == "verified" and self.curve is not None and self.curve.prices_masks_apart:
+            return self.curve.mask_costs(masks + 1)[masks]
+        return self._mask_share * (cost(fed + masks) - cost(fed))
 
     @property
     def _mask_share(self) -> float:

@@ -200,6 +200,17 @@ def test_exploring_adds_masks_when_rows_are_cheap_and_none_when_they_are_dear():
     assert _exploring_planner(shared, 0.01).plan(1, [], budget=51).masks == 0
 
 
+def test_exploring_prices_verified_masks_on_the_draft_mask_curve():
+    """Where draft-only masks have a curve of their own (which the live curve corrects from the process's own
+    passes), an exploring pass buys masks by what they add there, not by the exact-mask curve."""
+    exact = ((1, 1.0), (2, 1.12), (4, 1.13), (8, 1.31), (16, 1.57), (32, 2.1))
+    dear = ((1, 1.0), (2, 1.6), (4, 2.4), (8, 3.6), (16, 6.0), (32, 11.0))
+    dear_masks = CostCurve(exact, 0.6, real=exact, draft=dear)
+    assert _exploring_planner(dear_masks, 0.01).plan(1, [], budget=51).masks == 0
+    cheap_masks = CostCurve(dear, 0.6, real=dear, draft=exact)
+    assert _exploring_planner(cheap_masks, 0.01).plan(1, [], budget=51).masks >= 3
+
+
 def test_exploring_after_a_long_draft_is_priced_against_the_plain_pass():
     """A long accepted-looking draft makes the pass dear; exploring must not add masks in proportion to it."""
     steep = CostCurve(((1, 1.0), (2, 1.05), (4, 1.15), (8, 1.35), (16, 1.75), (32, 2.55)))
