@@ -27,12 +27,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import cast
 
 from agent_mtp.engine.acceptance import expected_accepted
 from agent_mtp.engine.config import DecodeConfig
 from agent_mtp.engine.cost import CostCurve
 from agent_mtp.engine.drafts import Draft, choose_draft
 
+_UNSET = object()
 FUTURE_CREDIT = 0.5
 """Masks pay off one pass later (as the next draft), and that verification costs time then: count half."""
 EXPLORE_OVERHEAD = 0.03
@@ -131,6 +133,9 @@ class Planner:
     before: without them it makes 1.13-1.17x the tokens a second alone, 0.85x -> 0.95x ``ntp`` beside 15 other
     sequences; Zen 5)."""
     _passes: int = 0
+    _cheapest_kept: tuple[CostCurve | None, dict[tuple[int, int], float | None]] = field(
+        default_factory=lambda: (None, {}), repr=False
+    )
 
     @classmethod
     def for_config(cls, cfg: DecodeConfig, curve: CostCurve | None) -> Planner:
@@ -192,16 +197,35 @@ class Planner:
         # at least (L + m) times the smaller of the two kinds' cheapest average row: where rows cost in steps (AMX
         # tile chunks of 8; a shared pass's first extra row opens one), that is the step shared by the rows it
         # opens for, not the cheap row after it
-        rows = min(room, 2 * AUTO_K_CAP) + 1
-        if self.curve.prices_masks_apart:
-            real = _marginal(self.curve.real_costs(pending, rows))
-            added = self.curve.mask_costs(min(rows, AUTO_K_CAP)) if self.masks else ()
-            cheapest = [(c[n] - c[0]) / n for c in (real, added) for n in range(1, len(c))]
+        cheapest = self._cheapest_row(pending, min(room, 2 * AUTO_K_CAP) + 1)
+        return cheapest is None or p_max >= cheapest * (1.0 - 1e-6)  # (rounding of equal steps)
+
+    def _cheapest_row(self, pending: int, rows: int) -> float | None:
+        """:meth:`could_pay`'s cheapest average row (None: no row to add). A stored or live curve is a value, so its
+        answers are kept per (pending, rows): a verified sequence asks before every greedy run and pass, twice where
+        the prompt lookup is watched (~25 us each on Zen 4); a shared pass's curve moves with the load and is asked
+        afresh."""
+        curve = self.curve
+        assert curve is not None
+        keep = type(curve) is CostCurve
+        if keep and self._cheapest_kept[0] is curve:
+            found = self._cheapest_kept[1].get((pending, rows), _UNSET)
+            if found is not _UNSET:
+                return cast("float | None", found)
+        if curve.prices_masks_apart:
+            real = _marginal(curve.real_costs(pending, rows))
+            added = curve.mask_costs(min(rows, AUTO_K_CAP)) if self.masks else ()
+            averages = [(c[n] - c[0]) / n for c in (real, added) for n in range(1, len(c))]
         else:  # rows alike: the cheapest row is a mask (draft-only masks cost the curve's share of a row)
-            costs = _marginal(self.curve.costs(pending, rows))
+            costs = _marginal(curve.costs(pending, rows))
             share = self._mask_share if self.masks else 1.0
-            cheapest = [(costs[n] - costs[0]) * share / n for n in range(1, len(costs))]
-        return not cheapest or p_max >= min(cheapest) * (1.0 - 1e-6)  # (rounding of equal steps)
+            averages = [(costs[n] - costs[0]) * share / n for n in range(1, len(costs))]
+        cheapest = min(averages) if averages else None
+        if keep:
+            if self._cheapest_kept[0] is not curve:
+                self._cheapest_kept = (curve, {})
+            self._cheapest_kept[1][(pending, rows)] = cheapest
+        return cheapest
 
     def plain_run(self, limit: int, room: int) -> int:
         """Right after :meth:`plain_if_hopeless` chose a plain pass: how many plain passes in a row (that one

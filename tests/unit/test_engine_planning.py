@@ -737,3 +737,18 @@ def test_verified_without_the_mtp_source_never_feeds_masks() -> None:
         assert planner.plain_if_hopeless(1, 0.0, 39) == Plan(None, 0)  # nothing could pay: a plain pass (a run)
     not_cost_aware = Planner.for_config(DecodeConfig(mode="verified", cost_aware=False, drafts=("ngram",)), None)
     assert not_cost_aware.plan(1, [ngram], budget=40) == Plan(ngram, 0)
+
+
+def test_could_pay_follows_the_curve_it_is_given():
+    """The cheapest row is kept per curve value: a new curve (the live curve of the next generation, a test's) is
+    priced afresh, the same one is not asked again."""
+    dear = CostCurve(((1, 1.0), (2, 1.9), (4, 3.7), (8, 7.3), (16, 14.5), (32, 29.0)))
+    cheap = CostCurve(((1, 1.0), (2, 1.05), (4, 1.1), (8, 1.2), (16, 1.5), (32, 2.0)))
+    planner = verify_planner(dear, 8, [0.3] * 7, 0.3)
+    assert not planner.could_pay(1, 0.5, 50)
+    assert not planner.could_pay(1, 0.5, 50)
+    planner.curve = cheap
+    assert planner.could_pay(1, 0.5, 50)
+    planner.curve = dear
+    assert not planner.could_pay(1, 0.5, 50)
+    assert planner.could_pay(1, 0.95, 50)  # the same rows at another rate: read from the kept row
