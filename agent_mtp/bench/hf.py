@@ -115,12 +115,20 @@ class BaselineModels:
         return self._engines[runtime]
 
     def cost_curves(self) -> dict[str, list[list[float]]]:
-        """The cost curve each runtime's planner used (those measured or loaded so far)."""
-        return {
-            runtime: [list(p) for p in e._cost_curve.points]
-            for runtime, e in self._engines.items()
-            if e._cost_curve is not None
-        }
+        """The cost curve each runtime's planner used (those measured or loaded so far: one real token and exact
+        masks), and where its planner priced passes on the live curve, that curve's real-token and draft-mask
+        points as the run left them (engine/cost.py ``PassTimes``)."""
+        curves: dict[str, list[list[float]]] = {}
+        for runtime, e in self._engines.items():
+            if e._cost_curve is None:
+                continue
+            curves[runtime] = [list(p) for p in e._cost_curve.points]
+            live = e.pass_times.calibrated(e._cost_curve)
+            if e.cost_curve_source == "live" and live is not e._cost_curve:
+                for name, points in (("real tokens", live.real), ("draft masks", live.draft)):
+                    if points is not None:
+                        curves[f"{runtime} live, {name}"] = [list(p) for p in points]
+        return curves
 
     def llama_cpp(self) -> Any:
         if self._llama_cpp is None:

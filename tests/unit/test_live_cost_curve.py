@@ -182,3 +182,19 @@ def test_batched_sequences_record_nothing(live_engine: MTPEngine) -> None:
     finally:
         batched.close()
     assert live_engine.pass_times.medians() == {}
+
+
+def test_the_bench_reports_the_live_curve_its_planner_used(live_engine: MTPEngine) -> None:
+    from agent_mtp.bench.hf import BaselineModels
+
+    live_engine.set_cost_curve(STORED)
+    models = BaselineModels(live_engine)
+    assert set(models.cost_curves()) == {"fast"}  # nothing timed yet: the stored curve
+    _fill(live_engine.pass_times, 1, 0, 1 / 64, 1)
+    _fill(live_engine.pass_times, 2, 0, 2 / 64, 1)
+    curves = models.cost_curves()
+    assert curves["fast"] == [list(p) for p in STORED.points]
+    assert curves["fast live, real tokens"][:2] == [[1, 1.0], [2, 2.0]]
+    assert "fast live, draft masks" in curves
+    live_engine.cost_curve_source = "stored"
+    assert set(models.cost_curves()) == {"fast"}
