@@ -253,10 +253,12 @@ class PassTimes:
     :meth:`calibrated`: the stored curve with each point where this process has enough passes of that kind replaced
     by the median time of those passes over the median one-token pass.
 
-    Kinds: ``(real, 0, False)`` a pass of ``real`` real tokens (pending and draft tokens); ``(1, masks, True)`` one
-    real token and ``masks`` draft-only masks (``verified``'s, :attr:`CostCurve.draft`); ``(1, masks, False)`` one
-    real token and exact masks (static and ConfAdapt, :attr:`CostCurve.points`). Passes that mix draft tokens and
-    masks, or are larger than :data:`LIVE_MAX_TOKENS`, are not kept. Thread-safe."""
+    Kinds: ``(real, 0, False)`` a pass of ``real`` real tokens (pending and draft tokens, :attr:`CostCurve.real`);
+    ``(1, masks, True)`` one real token and ``masks`` draft-only masks (``verified``'s, :attr:`CostCurve.draft`);
+    ``(1, masks, False)`` one real token and exact masks (static and ConfAdapt, :attr:`CostCurve.points`). A curve
+    without a draft-mask curve (no record paths: the planner prices every row alike on ``points``) has every kind's
+    cost at n tokens fed in its ``points`` (their mean). Passes that mix draft tokens and masks, or are larger than
+    :data:`LIVE_MAX_TOKENS`, are not kept. Thread-safe."""
 
     def __init__(self, *, window: int = LIVE_WINDOW, min_passes: int = LIVE_MIN_PASSES) -> None:
         if window < 1 or not 1 <= min_passes <= window:
@@ -303,10 +305,15 @@ class PassTimes:
             real = {r: c for (r, m, _), c in measured.items() if m == 0}
             exact_masks = {1 + m: c for (_, m, d), c in measured.items() if m and not d}
             draft_masks = {1 + m: c for (_, m, d), c in measured.items() if m and d}
+            if prior.draft is None:  # every row priced alike on ``points`` (no record paths): every kind measures it
+                alike: dict[int, list[float]] = {}
+                for (r, m, _), c in measured.items():
+                    alike.setdefault(r + m, []).append(c)
+                exact_masks = {n: statistics.fmean(costs) for n, costs in alike.items()}
             curve = CostCurve(
                 _replaced(prior.points, exact_masks),
                 prior.mask_share,
-                _replaced(prior.real if prior.real is not None else prior.points, real),
+                _replaced(prior.real, real) if prior.real is not None else None,
                 _replaced(prior.draft, draft_masks) if prior.draft is not None else None,
             )
         with self._lock:

@@ -203,8 +203,8 @@ class Planner:
     def _cheapest_row(self, pending: int, rows: int) -> float | None:
         """:meth:`could_pay`'s cheapest average row (None: no row to add). A stored or live curve is a value, so its
         answers are kept per (pending, rows): a verified sequence asks before every greedy run and pass, twice where
-        the prompt lookup is watched (~25 us each on Zen 4); a shared pass's curve moves with the load and is asked
-        afresh."""
+        the prompt lookup is watched (0.85% of a single sequence's wall in py-spy on Zen 4, recomputed each time); a
+        shared pass's curve moves with the load and is asked afresh."""
         curve = self.curve
         assert curve is not None
         keep = type(curve) is CostCurve

@@ -53,6 +53,21 @@ def test_measured_points_replace_the_stored_ones() -> None:
     assert times.calibrated(STORED) is not curve
 
 
+def test_rows_priced_alike_take_every_kind_on_the_one_curve() -> None:
+    """Without a draft-mask curve (AVX2: no record paths) the planner prices every row on ``points``: real-token
+    passes and verified's masks correct it there (at a size both measured, their mean)."""
+    alike = CostCurve(((1, 1.0), (2, 1.2), (4, 1.6), (8, 2.4)), 0.9)
+    times = PassTimes(min_passes=1)
+    one = 1 / 64
+    times.record(1, 0, one)
+    times.record(2, 0, 1.5 * one)
+    times.record(1, 1, 1.75 * one, draft_masks=True)  # n = 2 as well: the mean of 1.5 and 1.75
+    times.record(1, 3, 2.5 * one, draft_masks=True)
+    curve = times.calibrated(alike)
+    assert curve.real is None and curve.draft is None and curve.mask_share == 0.9
+    _close(curve.points, ((1, 1.0), (2, 1.625), (4, 2.5), (8, 2.4 * 2.5 / 1.6)))
+
+
 def test_the_stored_curve_stands_until_enough_one_token_passes() -> None:
     times = PassTimes(min_passes=4)
     _fill(times, 2, 0, 2 / 64, 10)
