@@ -2324,7 +2324,7 @@ void weighted_common(int64_t n, const float* const* p, const KV* values, int64_t
 // one of 400; 30 layers' caches, cold; scripts/attention_prefetch.py), whole 8-sequence passes at 400 positions
 // 0.93-0.96x. The AVX-512 pair loops (dot_pair, weighted_rows) do the same since, each pair or group of pairs its
 // share: on a 2-core Zen 4, against the burst there, attention alone 0.80-0.81x (8 caches of 400 / 800 positions),
-// 0.91x (8 rows on one of 400), whole passes 0.94x (8 and 16 caches of 400), 0.90x (one of 1,500).
+// 0.91x (8 rows on one of 400), whole passes 0.92x (8 and 16 caches of 400), 0.91x (one of 1,500).
 // g_attention_prefetch: 1 spread (the default), 0 the burst at each chunk, 2 spread in the AVX2 loops and a burst in
 // the pair loops (the form before; tests and measurements compare them).
 std::atomic<int64_t> g_attention_prefetch{1};
