@@ -306,7 +306,8 @@ class MTPEngine:
             self.eos_token_ids,
             Planner.for_config(cfg, curve),
             self.draft_masks == "int8",
-            self.pass_times if self.cost_curve_source == "live" else None,
+            # (a reference run's passes are the HF forward's, not this runtime's)
+            self.pass_times if self.cost_curve_source == "live" and not _reference else None,
         )
         if runner is not None:
             if runner.length:

@@ -213,3 +213,12 @@ def test_the_bench_reports_the_live_curve_its_planner_used(live_engine: MTPEngin
     assert "fast live, draft masks" in curves
     live_engine.cost_curve_source = "stored"
     assert set(models.cost_curves()) == {"fast"}
+
+
+def test_a_reference_run_records_nothing(live_engine: MTPEngine) -> None:
+    """The engine's reference runs (the HF forward behind a fast engine, for equivalence tests) time another
+    runtime's passes: they stay out of this runtime's curve."""
+    live_engine.generate(PROMPT, DecodeConfig(mode="ntp", max_new_tokens=12, prefix_cache=False), _reference=True)
+    assert live_engine.pass_times.medians() == {}
+    live_engine.generate(PROMPT, DecodeConfig(mode="ntp", max_new_tokens=12, prefix_cache=False))
+    assert live_engine.pass_times.medians() != {}
