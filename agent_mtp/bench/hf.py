@@ -125,7 +125,10 @@ class BaselineModels:
             curves[runtime] = [list(p) for p in e._cost_curve.points]
             live = e.pass_times.calibrated(e._cost_curve)
             if e.cost_curve_source == "live" and live is not e._cost_curve:
-                for name, points in (("real tokens", live.real), ("draft masks", live.draft)):
+                # rows priced apart (real tokens, draft masks), or every row alike on ``points`` (no record paths)
+                apart = (("real tokens", live.real), ("draft masks", live.draft))
+                kinds = apart if live.draft is not None else (("rows", live.points),)
+                for name, points in kinds:
                     if points is not None:
                         curves[f"{runtime} live, {name}"] = [list(p) for p in points]
         return curves

@@ -213,6 +213,9 @@ def test_the_bench_reports_the_live_curve_its_planner_used(live_engine: MTPEngin
     assert "fast live, draft masks" in curves
     live_engine.cost_curve_source = "stored"
     assert set(models.cost_curves()) == {"fast"}
+    live_engine.cost_curve_source = "live"
+    live_engine.set_cost_curve(CostCurve(STORED.points))  # no draft-mask curve: every row priced alike
+    assert models.cost_curves()["fast live, rows"][:2] == [[1, 1.0], [2, 2.0]]
 
 
 def test_a_reference_run_records_nothing(live_engine: MTPEngine) -> None:
