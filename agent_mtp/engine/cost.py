@@ -205,10 +205,15 @@ def measure_cost_curve(
 
 def _relative(samples: dict[int, list[float]], points: Sequence[int], base: float) -> tuple[tuple[int, float], ...]:
     """The fastest sample of each size over ``base`` (one token's), never below 1 or above n, never falling."""
+    return _monotone([(n, min(samples[n]) / base) for n in points])
+
+
+def _monotone(costs: Sequence[tuple[int, float]]) -> tuple[tuple[int, float], ...]:
+    """``costs`` (by tokens fed, ascending) each within [1, n] (1 at n = 1) and never below a smaller pass's: a pass
+    costs at least one token's, at most n single passes, and can only cost more with more tokens."""
     monotone, best = [], 1.0
-    for n in points:
-        cost = 1.0 if n == 1 else min(max(min(samples[n]) / base, 1.0), float(n))
-        best = max(best, cost)  # cost can only grow with n
+    for n, cost in costs:
+        best = max(best, 1.0 if n <= 1 else min(max(cost, 1.0), float(n)))
         monotone.append((n, best))
     return tuple(monotone)
 
@@ -324,19 +329,15 @@ class PassTimes:
 def _replaced(points: tuple[tuple[int, float], ...], measured: dict[int, float]) -> tuple[tuple[int, float], ...]:
     """``points`` with the ``measured`` costs (by tokens fed) in place of theirs or added; a stored point past a
     measured one scaled as that one was (what the stored curve says a pass adds beyond it, in the measured pass's
-    proportion); each within [1, n] and never below a smaller pass's (as :func:`_relative` keeps a measured curve)."""
+    proportion); then :func:`_monotone`, as a measured curve."""
     if not measured:
         return points
     xs, ys = [p[0] for p in points], [p[1] for p in points]
     merged = dict(points)
     merged.update(measured)
-    out, best, scale = [], 1.0, 1.0
+    costs, scale = [], 1.0
     for n in sorted(merged):
         if n in measured:
-            cost = measured[n]
-            scale = cost / max(_interpolate(xs, ys, n), 1e-9)
-        else:
-            cost = merged[n] * scale
-        best = max(best, min(max(cost, 1.0), float(n)) if n > 1 else 1.0)
-        out.append((n, best))
-    return tuple(out)
+            scale = measured[n] / max(_interpolate(xs, ys, n), 1e-9)
+        costs.append((n, measured[n] if n in measured else merged[n] * scale))
+    return _monotone(costs)
