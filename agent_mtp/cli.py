@@ -231,6 +231,12 @@ def _kernel_choice_row(name: str, value: object) -> tuple[str, str]:
             "passes that read the quantization blocks",
             "every pass" if value >= BLOCKS_EVERY_PASS else f"up to {value} rows",
         )
+    if name.startswith("screen_rows") and isinstance(value, int):
+        grid = name.removeprefix("screen_rows").removeprefix("_") or "int24"
+        return (
+            f"output head screens greedy rows ({grid} grid)",
+            f"from {value} rows a pass" if value else "never (its exact rows were as fast)",
+        )
     if name == "tile_rows" and isinstance(value, list):
         return "passes on the AMX tiles (else VNNI)", str(blockq.TileRows(*value))
     return f"kernel choice {name}", str(value)

@@ -7,6 +7,7 @@ VNNI (the screen's exact recomputation runs on it)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -234,3 +235,44 @@ def test_batched_greedy_runs_are_screened_and_give_each_sequence_its_tokens(engi
         assert fast.screen_stats.passes > before
     finally:
         fast.screen_rows = previous
+
+
+def test_the_screen_threshold_is_measured_once_per_machine_and_read_back(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, engine: MTPEngine
+) -> None:
+    """Whether screening pays depends on the machine (on Zen 4 it did from 6 greedy rows, on Zen 5, whose integer
+    products are four times as fast, at no size): a model past the CPU caches times whole passes screened and exact
+    once, stores the threshold beside its other kernel choices, and the next process reads it; timing leaves the
+    model's setting and counters as they were. ``AGENT_MTP_SCREEN_HEAD=0`` times nothing."""
+    from agent_mtp.engine.fast import model as fast_model
+    from agent_mtp.engine.fast.choices import CHOICES_ENV
+
+    monkeypatch.setenv("AGENT_MTP_CACHE", str(tmp_path))
+    monkeypatch.delenv(CHOICES_ENV, raising=False)
+    monkeypatch.setattr(fast_model, "CROSSOVER_BYTES", 0)  # time the tiny model as a large one
+    # the kernel choices the model settles first: what the process already runs (no kernel setting changes)
+    monkeypatch.setattr(fast_model, "measure_avx512", lambda linears: blockq.avx512_forms())
+    monkeypatch.setattr(fast_model, "measure_buffered_rows", lambda linears: blockq.buffered_rows())
+    monkeypatch.setattr(fast_model, "measure_tile_rows", lambda linears: blockq.tile_rows())
+    monkeypatch.setattr(fast_model, "measure_block_rows", lambda linears: 64)
+    timed: list[int] = []
+    measure = fast_model.measure_screen_rows
+
+    def counted(model: FastModel) -> int:
+        stats = model.screen_stats
+        chosen = measure(model)
+        assert model.screen_rows == fast_model.SCREEN_ROWS and model.screen_stats == stats  # left as they were
+        timed.append(chosen)
+        return chosen
+
+    monkeypatch.setattr(fast_model, "measure_screen_rows", counted)
+    first = FastModel.from_hf(engine.model, mask_token_id=engine.mask_token_id)
+    assert len(timed) == 1 and timed[0] in {0, *(t for _, t in fast_model.SCREEN_CANDIDATES)}
+    assert first.screen_rows == timed[0]
+    assert first.stored_choices is not None and first.stored_choices.values["screen_rows"] == timed[0]
+    second = FastModel.from_hf(engine.model, mask_token_id=engine.mask_token_id)
+    assert second.screen_rows == timed[0] and len(timed) == 1  # read back: nothing timed
+    assert "screen_rows" in second.stored_choices.read if second.stored_choices else False
+    monkeypatch.setenv(blockq.SCREEN_ENV, "0")
+    assert FastModel.from_hf(engine.model, mask_token_id=engine.mask_token_id).screen_rows == 0
+    assert len(timed) == 1

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from agent_mtp.engine.fast import blockq, choices
-from agent_mtp.engine.fast.choices import CHOICES_ENV, StoredChoices, row_pair, whole_number
+from agent_mtp.engine.fast.choices import CHOICES_ENV, StoredChoices, row_pair, rows_or_never, whole_number
 from agent_mtp.errors import ConfigError
 
 SHAPES = [(576, 1728, "q4_1"), (576, 49152, "q8_0")]
@@ -78,6 +78,31 @@ def test_measure_mode_measures_every_choice_again_and_replaces_the_file(
     again.save()
     monkeypatch.setenv(CHOICES_ENV, "stored")
     assert _open(tmp_path).get("block_rows", Measure(1), int, whole_number) == 16
+
+
+def test_measure_mode_keeps_the_choices_a_later_block_does_not_ask_for(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fast model settles its kernel choices, then times the output head's screen on the finished model in a
+    second block: in measure mode that block must not drop what the first one stored."""
+    monkeypatch.setenv(CHOICES_ENV, "measure")
+    first = _open(tmp_path)
+    first.get("block_rows", Measure(16), int, whole_number)
+    first.save()
+    second, measure = _open(tmp_path), Measure(0)
+    assert second.get("screen_rows", measure, int, rows_or_never) == 0 and measure.calls == 1
+    second.save()
+    monkeypatch.setenv(CHOICES_ENV, "stored")
+    again = _open(tmp_path)
+    assert again.get("block_rows", Measure(1), int, whole_number) == 16
+    assert again.get("screen_rows", Measure(6), int, rows_or_never) == 0
+    assert again.read == ["block_rows", "screen_rows"]
+
+
+@pytest.mark.parametrize("value", [-1, True, 1.5, "6", None])
+def test_a_stored_screen_threshold_must_be_a_whole_number_of_rows_or_zero(value: object) -> None:
+    with pytest.raises(ValueError, match="whole number of rows >= 0"):
+        rows_or_never(value)
 
 
 def test_an_unknown_mode_is_refused_naming_the_value(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -103,10 +103,11 @@ class StoredChoices:
     @classmethod
     def open(cls, root: Path, *, build: str, shapes: Sequence[tuple[Any, ...]], threads: int) -> StoredChoices:
         """The stored choices of this machine (:func:`machine_key` of ``build``) for weights of ``shapes`` passed on
-        ``threads`` threads, under ``root``; empty where there are none yet, or in ``measure`` mode."""
+        ``threads`` threads, under ``root``; empty where there are none yet. In ``measure`` mode every choice asked
+        for is measured again, and those not asked (settled by another block of the same process: the output head's
+        screen is timed on the finished model) are kept as stored."""
         stored = cls(_path(root, build, shapes, threads), measure_all=choices_mode() == "measure")
-        if not stored.measure_all:
-            stored.values = _read(stored.path)
+        stored.values = _read(stored.path)
         return stored
 
     @classmethod
@@ -189,6 +190,13 @@ def whole_number(value: Any) -> int:
     """A stored count of rows: a whole number >= 1 (bools and floats refused)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{value!r} is not a whole number of rows >= 1")
+    return value
+
+
+def rows_or_never(value: Any) -> int:
+    """A stored threshold of rows that may be 0 (never): a whole number >= 0 (bools and floats refused)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{value!r} is not a whole number of rows >= 0")
     return value
 
 

@@ -15,7 +15,9 @@ from __future__ import annotations
 import ctypes
 import logging
 import math
+import statistics
 import threading
+import time
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -26,7 +28,7 @@ import torch.nn.functional as F
 
 from agent_mtp.engine.fast import blockq
 from agent_mtp.engine.fast.cache import KVCache
-from agent_mtp.engine.fast.choices import StoredChoices, row_pair, whole_number
+from agent_mtp.engine.fast.choices import StoredChoices, row_pair, rows_or_never, whole_number
 from agent_mtp.engine.fast.weights import (
     BLOCKS_EVERY_PASS,
     CROSSOVER_BYTES,
@@ -56,11 +58,19 @@ KV_DTYPES = (torch.float32, torch.float16)
 
 
 SCREEN_ROWS = 6
-"""Passes with at least this many greedy rows screen them in the output head (:attr:`BatchItem.argmax_only`). The
+"""Passes with at least this many greedy rows screen them in the output head (:attr:`BatchItem.argmax_only`) where
+the machine's measurement says screening pays (:func:`measure_screen_rows`), and on models too small to time. The
 screen pays where the head's exact rows are bound by their integer products rather than by reading the head from
 memory: on a 2-core Zen 4, 8 / 16 exact rows of the head alone (read cold) took 2.1-2.7 / 4.7-5.4 ms and screened
 1.6-2.0 / 2.8-3.2 ms; in 8 clients' batched passes, screened and exact interleaved at random, passes with 6 / 7 / 8
-greedy rows took 0.97-0.99x / 0.94-0.97x / 0.97x the time screened, those with 3-5 0.94-1.07x (docs/benchmarks.md)."""
+greedy rows took 0.97-0.99x / 0.94-0.97x / 0.97x the time screened, those with 3-5 0.94-1.07x (docs/benchmarks.md).
+On a 2-core Zen 5, which issues four times the integer products a cycle, the screen lost: whole 8 / 16-row passes
+took 1.07-1.30x / 1.11-1.28x the time screened."""
+
+SCREEN_CANDIDATES = ((8, SCREEN_ROWS), (16, 12))
+"""(greedy rows a timed pass has, the threshold chosen where screening wins there), smallest first
+(:func:`measure_screen_rows`): screening wins at 8 rows -> 6 (as measured on Zen 4), only at 16 -> 12, at neither ->
+0 (never)."""
 
 
 @dataclass(frozen=True)
@@ -309,7 +319,8 @@ class FastModel:
         """The decoder weights handed to ``decode_layers`` once (a pass passes this one object)."""
         self.screen_rows = SCREEN_ROWS if blockq.screen_enabled() else 0
         """Passes with at least this many greedy rows (:attr:`BatchItem.argmax_only`) screen them in the output head
-        (0: never; :data:`SCREEN_ROWS`, ``AGENT_MTP_SCREEN_HEAD``)."""
+        (0: never; ``AGENT_MTP_SCREEN_HEAD=0``): measured once per machine for models past the CPU caches
+        (:meth:`_settle_screen_rows`), else :data:`SCREEN_ROWS`."""
         self.screen_stats = ScreenStats(0, 0, 0)
         """What the head's screening has done so far (for benchmarks and tests; counted by the thread that runs the
         passes, one at a time)."""
@@ -325,6 +336,7 @@ class FastModel:
         self._rotary = decoder.rotary_emb
         self._rope = torch.empty(0, 1, self.head_dim // 2, dtype=torch.complex64)
         self._rope_lock = threading.Lock()
+        self.screen_rows = self._settle_screen_rows()
 
     @classmethod
     def from_hf(
@@ -376,6 +388,19 @@ class FastModel:
         else:  # longer passes read them: packed now, not in the first such pass (a request's prefill)
             for linear in linears:
                 linear.pack()
+        return rows
+
+    def _settle_screen_rows(self) -> int:
+        """:attr:`screen_rows` on this machine: the stored choice (:mod:`.choices`), else :func:`measure_screen_rows`
+        (stored for the next process); :data:`SCREEN_ROWS` where the model is too small to time (no stored choices)
+        and where the head cannot screen; 0 where ``AGENT_MTP_SCREEN_HEAD=0``. Each input grid has its own choice
+        (the 16-bit grid's exact rows take fewer products)."""
+        if self.screen_rows <= 0 or self.stored_choices is None or not self.lm_head.screens(SCREEN_CANDIDATES[0][0]):
+            return self.screen_rows
+        name = "screen_rows" if self.grid_bits == 24 else f"screen_rows_int{self.grid_bits}"
+        with _stored_choices(self._linears()) as stored:
+            rows = stored.get(name, lambda: measure_screen_rows(self), int, rows_or_never)
+        self.stored_choices = stored  # what the file holds now, this choice included
         return rows
 
     def new_cache(self, capacity: int = 256) -> KVCache:
@@ -665,6 +690,57 @@ class FastModel:
             allowed = torch.arange(start + n)[None, :] <= (start + torch.arange(n))[:, None]  # [n, end]
             out = F.scaled_dot_product_attention(q4, keys, values, attn_mask=allowed, enable_gqa=True)
         return out[0].transpose(0, 1).reshape(n, self.q_dim)
+
+
+def measure_screen_rows(model: FastModel, *, rounds: int = 9, context: int = 24) -> int:
+    """From how many greedy rows a pass screens them in the output head on this machine (:attr:`FastModel.
+    screen_rows`; 0: never): whole batched passes of one greedy row per sequence (as a server's greedy runs feed
+    them), screened and exact alternately, ``rounds`` of each at every size of :data:`SCREEN_CANDIDATES`, the medians
+    compared. The sequences hold ``context`` positions of fixed token ids and are fed their own greedy tokens, so the
+    head sees the logits of real hidden states (how many outputs the screen recomputes depends on them); each pass is
+    rolled back. Run it on the thread that will run the passes (its OpenMP pool is the one that is timed)."""
+    sizes = [rows for rows, _ in SCREEN_CANDIDATES]
+    vocab = int(model.embed.shape[0])
+    caches = [model.new_cache(context + 1) for _ in range(max(sizes))]
+    fed: list[int] = []
+    for s, cache in enumerate(caches):  # ids spread over the vocabulary, the same on every machine
+        ids = [(17 + 7919 * (s * context + i)) % vocab for i in range(context)]
+        fed.append(model.greedy_tokens(model.forward(ids, cache, 1))[0])
+    before, stats = model.screen_rows, model.screen_stats
+
+    def timed(rows: int, screen: bool) -> float:
+        model.screen_rows = 1 if screen else 0
+        items = [BatchItem([fed[s]], caches[s], 1, argmax_only=True) for s in range(rows)]
+        start = time.perf_counter()
+        for logits in model.forward_batch(items):
+            model.greedy_tokens(logits)
+        elapsed = time.perf_counter() - start
+        for cache in caches[:rows]:
+            cache.length -= 1
+        return elapsed
+
+    chosen = 0
+    try:
+        for rows, threshold in SCREEN_CANDIDATES:
+            timed(rows, True)  # warm-up of this size: first-touch pages of the grids and buffers
+            timed(rows, False)
+            screened: list[float] = []
+            exact: list[float] = []
+            for _ in range(rounds):
+                screened.append(timed(rows, True))
+                exact.append(timed(rows, False))
+            on_screen, on_exact = statistics.median(screened), statistics.median(exact)
+            log.debug("screen: %d greedy rows, screened %.2f ms, exact %.2f ms", rows, 1e3 * on_screen, 1e3 * on_exact)
+            if on_screen < on_exact:
+                chosen = threshold
+                break
+    finally:
+        model.screen_rows, model.screen_stats = before, stats
+    log.info(
+        "The output head screens greedy rows here from %s",
+        f"{chosen} rows a pass" if chosen else "no pass size (its exact rows were as fast)",
+    )
+    return chosen
 
 
 def _return_freed_memory() -> None:
