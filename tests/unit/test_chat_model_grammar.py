@@ -415,3 +415,114 @@ def test_a_grammar_never_allows_the_mask_token(engine):
     assert not constraint.allowed_mask(engine.mask_token_id + 1)[engine.mask_token_id]
     plan = constraint.forced_tokens()
     assert plan and not constraint.never_allows(plan[0])
+
+
+# -- constrained runs: the grammar's steps on the thread that runs the passes ------------------------------------
+def _chunks_without_runs(engine, prompt, cfg, make_constraint, monkeypatch, runner=None):
+    from agent_mtp.engine import decode
+
+    with monkeypatch.context() as patch:
+        patch.setattr(decode, "CONSTRAINED_RUNS", False)
+        return list(engine.stream(prompt, cfg, constraint=make_constraint(), runner=runner))
+
+
+def _run_cases(engine):
+    schema = {
+        "type": "object",
+        "properties": {"answer": {"type": "string", "maxLength": 12}, "score": {"type": "integer", "maximum": 99}},
+        "required": ["answer", "score"],
+    }
+    json_grammar = compile_for_engine(engine, GrammarSpec.json_schema(schema))
+    tools = forced_grammar(engine)
+    return [
+        (PROMPTS[0], tools.constraint),
+        (PROMPTS[1], tools.constraint),
+        ("Reply in JSON.", json_grammar.constraint),
+    ]
+
+
+@pytest.mark.parametrize("max_new_tokens", [3, 7, 40, 120])
+def test_constrained_ntp_runs_equal_the_loops_own_passes(engine, monkeypatch, max_new_tokens):
+    """Greedy ``ntp`` under a grammar chains its passes on the compute thread (the grammar's choice and jump-forward
+    made there): the same chunks, text, finish, pass and jump-forward counts as the loop's own passes, and the
+    runner holds the same tokens afterwards (what the prefix cache keeps), whatever the length cuts."""
+    from agent_mtp.engine.fast import FastRunner
+    from agent_mtp.engine.runner import ConstrainedRunRunner
+
+    cfg = DecodeConfig(mode="ntp", max_new_tokens=max_new_tokens, prefix_cache=False)
+    runs_made: list[int] = []
+    real = FastRunner.constrained_steps
+    monkeypatch.setattr(
+        FastRunner,
+        "constrained_steps",
+        lambda self, *a: runs_made.append(1) or real(self, *a),  # type: ignore
+    )
+    for prompt, make in _run_cases(engine):
+        own, runs = engine.new_runner(), engine.new_runner()
+        assert isinstance(runs, FastRunner) and isinstance(runs, ConstrainedRunRunner)
+        expected = _chunks_without_runs(engine, prompt, cfg, make, monkeypatch, runner=own)
+        got = list(engine.stream(prompt, cfg, constraint=make(), runner=runs))
+        assert [c.token_ids for c in got] == [c.token_ids for c in expected]
+        assert "".join(c.text for c in got) == "".join(c.text for c in expected)
+        assert got[-1].finish_reason == expected[-1].finish_reason
+        assert got[-1].stats is not None and expected[-1].stats is not None
+        for name in ("forward_passes", "jump_forward_tokens", "new_tokens", "k_used", "accept_histogram"):
+            assert getattr(got[-1].stats, name) == getattr(expected[-1].stats, name), name
+        assert runs.tokens == own.tokens and runs.length == own.length
+    assert runs_made or max_new_tokens < 40  # the runs were taken (short budgets may end in the prefill)
+
+
+def test_constrained_runs_stop_at_a_stop_string_inside_a_run(engine, monkeypatch):
+    prompt, make = _run_cases(engine)[0]
+    cfg = DecodeConfig(mode="ntp", max_new_tokens=120, prefix_cache=False)
+    full = engine.generate(prompt, cfg, constraint=make())
+    for cut in (3, 6, 11):
+        stop = engine.tokenizer.decode(full.token_ids[:cut])[-3:]
+        if not stop.strip():
+            continue
+        stopped = cfg.replace(stop=(stop,))
+        own, runs = engine.new_runner(), engine.new_runner()
+        expected = _chunks_without_runs(engine, prompt, stopped, make, monkeypatch, runner=own)
+        got = list(engine.stream(prompt, stopped, constraint=make(), runner=runs))
+        assert [c.token_ids for c in got] == [c.token_ids for c in expected]
+        assert got[-1].finish_reason == expected[-1].finish_reason == "stop"
+        assert runs.tokens == own.tokens
+
+
+def test_batched_constrained_runs_make_the_grammar_steps_in_the_scheduler(engine, monkeypatch):
+    """Constrained sequences beside each other in batched passes: each gets what it gets alone, with its passes
+    chained in the scheduler (the caller wakes once a run); a grammar step that fails reaches its own caller only."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from agent_mtp.engine.batching import BatchedEngine
+
+    cases = _run_cases(engine)
+    cfg = DecodeConfig(mode="ntp", max_new_tokens=60, prefix_cache=False)
+    alone = [_chunks_without_runs(engine, p, cfg, make, monkeypatch) for p, make in cases]
+    batched = BatchedEngine(engine)
+    try:
+        scheduler = batched.scheduler
+        assert scheduler is not None
+        with ThreadPoolExecutor(len(cases)) as pool:
+            together = list(pool.map(lambda case: list(batched.stream(case[0], cfg, constraint=case[1]())), cases))
+        for got, expected in zip(together, alone, strict=True):
+            assert [c.token_ids for c in got] == [c.token_ids for c in expected]
+            assert got[-1].stats is not None and expected[-1].stats is not None
+            assert got[-1].stats.forward_passes == expected[-1].stats.forward_passes
+        runner = scheduler.runner()
+        prompt_ids = engine.tokenizer.encode("Reply in JSON.")
+        runner.forward(prompt_ids, 1)
+
+        def broken(logits, top):
+            raise RuntimeError("grammar step failed")
+
+        with pytest.raises(RuntimeError, match="grammar step failed"):
+            runner.constrained_steps([prompt_ids[-1]], 3, broken)
+        with pytest.raises(ValueError, match="steps=0"):
+            runner.constrained_steps([1], 0, broken)
+        with pytest.raises(ValueError, match="at least one token"):
+            runner.constrained_steps([], 2, broken)
+        runner.close()
+        assert scheduler.stats().active == 0
+    finally:
+        batched.close()
