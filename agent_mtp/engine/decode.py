@@ -265,52 +265,27 @@ def _greedy_run(
     if cfg.mode != "ntp" and len(tokens) < steps:  # ended early (the watch, a stop token): not all made
         setup.planner.unplanned(steps - len(tokens))
     for i, token in enumerate(tokens):
-        _count_plain_pass(stats)
+        stats.forward_passes += 1
+        stats.k_used[1] = stats.k_used.get(1, 0) + 1
+        stats.accept_histogram[1] = stats.accept_histogram.get(1, 0) + 1
         kept, finish, text = _append(state, [token], cfg, setup, tracker, None)
         state.pending = [token]
-        # fed after this token: not the output's
-        chunk = _run_chunk(runner, state, cfg, tracker, stats, start, ended[i], kept, finish, text, len(tokens) - 1 - i)
-        yield chunk
-        if chunk.finish_reason is not None:
-            return chunk.finish_reason
+        if finish is None and cfg.max_time is not None and ended[i] - start >= cfg.max_time:
+            finish = "timeout"
+        if finish is not None:
+            runner.drop(len(tokens) - 1 - i)  # fed after this token: not the output's
+            text += tracker.finish()
+        stats.new_tokens, stats.wall_s = len(state.out), time.perf_counter() - start
+        yield StreamChunk(
+            text=text,
+            token_ids=tuple(kept),
+            source="ntp",
+            finish_reason=finish,
+            stats=stats if finish is not None else None,
+        )
+        if finish is not None:
+            return finish
     return None
-
-
-def _count_plain_pass(stats: DecodeStats) -> None:
-    """A one-token pass of a run, counted as the loop counts its own."""
-    stats.forward_passes += 1
-    stats.k_used[1] = stats.k_used.get(1, 0) + 1
-    stats.accept_histogram[1] = stats.accept_histogram.get(1, 0) + 1
-
-
-def _run_chunk(
-    runner: Runner,
-    state: _State,
-    cfg: DecodeConfig,
-    tracker: TextTracker,
-    stats: DecodeStats,
-    start: float,
-    ended_at: float,
-    kept: list[int],
-    finish: FinishReason | None,
-    text: str,
-    fed_after: int,
-) -> StreamChunk:
-    """The chunk of one pass of a run, whose pass ended at ``ended_at``: the deadline checked against that time, and
-    where the generation finishes here the ``fed_after`` tokens the run fed after this pass dropped from the cache."""
-    if finish is None and cfg.max_time is not None and ended_at - start >= cfg.max_time:
-        finish = "timeout"
-    if finish is not None:
-        runner.drop(fed_after)
-        text += tracker.finish()
-    stats.new_tokens, stats.wall_s = len(state.out), time.perf_counter() - start
-    return StreamChunk(
-        text=text,
-        token_ids=tuple(kept),
-        source="ntp",
-        finish_reason=finish,
-        stats=stats if finish is not None else None,
-    )
 
 
 @dataclass
@@ -373,7 +348,9 @@ def _constrained_run(
             setup.pass_times.record(len(fed), 0, until - since)
     last = len(groups) - 1
     for i, group in enumerate(groups):
-        _count_plain_pass(stats)
+        stats.forward_passes += 1
+        stats.k_used[1] = stats.k_used.get(1, 0) + 1
+        stats.accept_histogram[1] = stats.accept_histogram.get(1, 0) + 1
         ends_here = i == last  # the grammar's state is this pass's only after the run's last pass
         first_constraint = constraint if ends_here and len(group) == 1 else None
         kept, finish, text = _append(state, group[:1], cfg, setup, tracker, first_constraint)
@@ -385,11 +362,21 @@ def _constrained_run(
             state.mtp.advance(jumped)
             stats.jump_forward_tokens += len(jumped)
             kept, text = kept + jumped, text + jumped_text
-        fed_after = sum(len(g) for g in groups[i:last])  # this pass's tokens and later ones, but the last pass's
-        chunk = _run_chunk(runner, state, cfg, tracker, stats, start, ended[i], kept, finish, text, fed_after)
-        yield chunk
-        if chunk.finish_reason is not None:
-            return chunk.finish_reason
+        if finish is None and cfg.max_time is not None and ended[i] - start >= cfg.max_time:
+            finish = "timeout"
+        if finish is not None:
+            runner.drop(sum(len(g) for g in groups[i:last]))  # fed after this pass: not the output's
+            text += tracker.finish()
+        stats.new_tokens, stats.wall_s = len(state.out), time.perf_counter() - start
+        yield StreamChunk(
+            text=text,
+            token_ids=tuple(kept),
+            source="ntp",
+            finish_reason=finish,
+            stats=stats if finish is not None else None,
+        )
+        if finish is not None:
+            return finish
     return None
 
 
