@@ -34,7 +34,6 @@ from agent_mtp.engine.cost import CostCurve
 from agent_mtp.engine.engine import MTPEngine, Prompt
 from agent_mtp.engine.fast import BatchItem, FastModel, FastRunner
 from agent_mtp.engine.results import GenerationResult, StreamChunk
-from agent_mtp.engine.runner import GrammarStep
 from agent_mtp.engine.threads import compute
 
 log = logging.getLogger("agent_mtp.engine.batching")
@@ -86,11 +85,6 @@ class _Job:
     """A greedy run's tokens so far, one a pass."""
     stamps: list[float] = field(default_factory=list)
     """When each of a greedy run's passes ended (``time.perf_counter()``)."""
-    step: GrammarStep | None = None
-    """A constrained run (:meth:`BatchingRunner.constrained_steps`): chooses each pass's tokens under the grammar
-    (called on the scheduler thread); None for a plain greedy run."""
-    groups: list[list[int]] = field(default_factory=list)
-    """A constrained run's tokens so far, a list a pass."""
 
     def goes_on(self) -> bool:
         """After a pass: whether this greedy run takes the next pass too (fed its last token)."""
@@ -99,18 +93,6 @@ class _Job:
         if self.until is not None and self.until(self.run[-1]):
             return False
         self.item = BatchItem([self.run[-1]], self.item.cache, 1, argmax_only=True)  # read only for its argmax
-        self.prefill = False
-        return True
-
-    def steps_on(self, logits: torch.Tensor, top: int) -> bool:
-        """After a pass of a constrained run: take its tokens from :attr:`step`; whether the run takes the next pass
-        too (fed them)."""
-        assert self.step is not None
-        group, go_on = self.step(logits, top)
-        self.groups.append(group)
-        if not go_on or self.runner.closed or len(self.groups) >= self.steps:
-            return False
-        self.item = BatchItem(group, self.item.cache, 1, self.item.coarse_masks)
         self.prefill = False
         return True
 
@@ -252,15 +234,7 @@ class BatchScheduler:
         going_on: list[_Job] = []
         for job, (logits, greedy) in zip(batch, outputs, strict=True):
             job.logits, job.greedy = logits, greedy
-            if job.step is not None:  # a constrained run: the grammar's step here, not on the caller's thread
-                job.stamps.append(ended)
-                try:
-                    if job.steps_on(logits, greedy[-1]):
-                        going_on.append(job)
-                        continue
-                except BaseException as e:  # the caller re-raises it; the other sequences go on
-                    job.error = e
-            elif job.steps:
+            if job.steps:
                 job.run.append(greedy[-1])
                 job.stamps.append(ended)
                 if job.goes_on():  # its next pass is already known: no wake-up, no step in Python between
@@ -323,16 +297,6 @@ class BatchingRunner(FastRunner):
         job = self._wait(_Job(self, item, prefill=not self._fed, steps=steps, stop_ids=stop_ids, until=until))
         self.tokens += [first, *job.run[:-1]]  # the last token is the caller's to feed
         return list(job.run), list(job.stamps)
-
-    def _constrained_run(self, feed: list[int], steps: int, step: GrammarStep) -> tuple[list[list[int]], list[float]]:
-        """A constrained run (:meth:`constrained_steps`) in the scheduler's batches, each pass's tokens chosen by
-        ``step`` on the scheduler thread and fed to the next: a constrained sequence keeps no pass waiting for its
-        decode step in Python (with 8 clients, half of them calling tools, batched passes waited ~8% of the time
-        for such steps)."""
-        item = BatchItem(feed, self.cache, 1, self.coarse_masks)
-        job = self._wait(_Job(self, item, prefill=not self._fed, steps=steps, step=step))
-        self.tokens += [*feed, *(t for group in job.groups[:-1] for t in group)]  # the last pass's: not fed
-        return [list(group) for group in job.groups], list(job.stamps)
 
     def _wait(self, job: _Job) -> _Job:
         if self._closed:

@@ -34,14 +34,10 @@ from agent_mtp.engine.cost import PassTimes
 from agent_mtp.engine.drafts import Draft, DraftSource, MTPDraftSource, NgramDraftSource
 from agent_mtp.engine.planner import FUTURE_CREDIT, Plan, Planner
 from agent_mtp.engine.results import DecodeStats, FinishReason, StreamChunk
-from agent_mtp.engine.runner import ConstrainedRunRunner, GreedyRunRunner, Runner
+from agent_mtp.engine.runner import GreedyRunRunner, Runner
 from agent_mtp.engine.text import TextTracker
 from agent_mtp.engine.threads import single_threaded
 
-CONSTRAINED_RUNS = True
-"""Greedy ``ntp`` under a grammar takes constrained runs where the runner has them (:class:`_GrammarStep`): the
-grammar's choice of each pass's token and its jump-forward run on the thread that runs the passes. False makes every
-such pass the loop's own (the reference the tests compare runs with)."""
 GREEDY_RUN = 4
 """Plain greedy passes (unconstrained, greedy: every ``ntp`` step, and ``verified`` ones where no draft could pay) a
 fast runner chains without returning to the loop: the sequence's Python step and wake-up happen once per run instead
@@ -124,13 +120,6 @@ def decode(
     # greedy runs (_greedy_run) where the runner chains passes: ntp, and verified where no draft could pay
     # (and static / ConfAdapt with k_max="auto" where the planner's k is 1 until its next exploring pass)
     chains = isinstance(runner, GreedyRunRunner) and (cfg.mode in ("ntp", "verified") or setup.planner.auto_k)
-    constrained_runs = (
-        CONSTRAINED_RUNS
-        and constraint is not None
-        and cfg.mode == "ntp"
-        and cfg.temperature <= 0
-        and isinstance(runner, ConstrainedRunRunner)
-    )
     while finish is None:
         if cfg.max_time is not None and stats.forward_passes and time.perf_counter() - start >= cfg.max_time:
             finish = "timeout"
@@ -138,11 +127,6 @@ def decode(
             yield StreamChunk(text=tracker.finish(), token_ids=(), finish_reason="timeout", stats=stats)
             return
         budget = cfg.max_new_tokens - len(state.out)
-        if constrained_runs and stats.forward_passes and budget >= 2 and state.pending:
-            assert constraint is not None
-            run = cast(ConstrainedRunRunner, runner)
-            finish = yield from _constrained_run(run, state, cfg, setup, tracker, constraint, stats, start)
-            continue
         steps, watch = _greedy_run_steps(chains, state, cfg, setup, constraint, budget, stats)
         if steps:  # (``chains`` checked the runner's kind once: a runtime protocol check costs ~0.1 ms)
             greedy_runner = cast(GreedyRunRunner, runner)
@@ -274,98 +258,6 @@ def _greedy_run(
             finish = "timeout"
         if finish is not None:
             runner.drop(len(tokens) - 1 - i)  # fed after this token: not the output's
-            text += tracker.finish()
-        stats.new_tokens, stats.wall_s = len(state.out), time.perf_counter() - start
-        yield StreamChunk(
-            text=text,
-            token_ids=tuple(kept),
-            source="ntp",
-            finish_reason=finish,
-            stats=stats if finish is not None else None,
-        )
-        if finish is not None:
-            return finish
-    return None
-
-
-@dataclass
-class _GrammarStep:
-    """A constrained run's step (:data:`agent_mtp.engine.runner.GrammarStep`), on the thread that runs the passes:
-    what the loop's own ``ntp`` pass and jump-forward do with a greedy pass under a grammar, token for token (the
-    greedy token among the allowed ones, accepted; then the text the grammar forces, accepted, up to the budget),
-    ending the run where the loop would stop asking for passes: a stop token, the budget, the grammar terminated."""
-
-    constraint: TokenConstraint
-    stop_ids: frozenset[int]
-    left: int
-    """Tokens the generation may still add (``max_new_tokens`` minus those it has)."""
-    mask_token_id: int
-
-    def __call__(self, logits: torch.Tensor, top: int) -> tuple[list[int], bool]:
-        constraint = self.constraint
-        if self.mask_token_id < logits.shape[-1] and not _never_allows(constraint, self.mask_token_id):
-            logits[:, self.mask_token_id] = float("-inf")  # as _one_pass: a constraint that could allow it reads it
-        token = _greedy(logits, 0, [top], constraint)
-        constraint.accept(token)
-        group = [token]
-        self.left -= 1
-        if token in self.stop_ids or self.left <= 0 or constraint.is_terminated():
-            return group, False
-        for forced in constraint.forced_tokens()[: self.left]:  # jump-forward (_jump_forward)
-            if not constraint.accept(forced):
-                break
-            group.append(forced)
-        self.left -= len(group) - 1
-        go_on = self.left > 0 and not constraint.is_terminated() and not any(t in self.stop_ids for t in group)
-        return group, go_on
-
-
-def _constrained_run(
-    runner: ConstrainedRunRunner,
-    state: _State,
-    cfg: DecodeConfig,
-    setup: DecodeSetup,
-    tracker: TextTracker,
-    constraint: TokenConstraint,
-    stats: DecodeStats,
-    start: float,
-) -> Generator[StreamChunk, None, FinishReason | None]:
-    """Up to :data:`GREEDY_RUN` greedy passes under the grammar in one call to the runner (its :class:`_GrammarStep`
-    choosing each pass's tokens where the pass ran), then each pass's tokens as the loop takes them from a pass of
-    its own and its jump-forward: one chunk a pass, the same stop rules (EOS, stop tokens, length, stop strings,
-    the grammar's end) and the deadline against the time its pass ended; what was fed after a finishing pass is
-    dropped from the cache, which then holds what the loop's own passes would have left (the grammar is not rolled
-    back: a finished generation does not use it again). Returns the finish reason, or None to go on."""
-    stop_ids = setup.eos_token_ids | set(cfg.stop_token_ids)
-    left = cfg.max_new_tokens - len(state.out)
-    step = _GrammarStep(constraint, frozenset(stop_ids), left, setup.mask_token_id)
-    feed = list(state.pending)
-    with single_threaded():
-        began = time.perf_counter()
-        groups, ended = runner.constrained_steps(feed, min(GREEDY_RUN, left), step)
-    if setup.pass_times is not None:  # each pass's real tokens and time (forced text makes passes of several)
-        for fed, since, until in zip([feed, *groups], [began, *ended], ended, strict=False):
-            setup.pass_times.record(len(fed), 0, until - since)
-    last = len(groups) - 1
-    for i, group in enumerate(groups):
-        stats.forward_passes += 1
-        stats.k_used[1] = stats.k_used.get(1, 0) + 1
-        stats.accept_histogram[1] = stats.accept_histogram.get(1, 0) + 1
-        ends_here = i == last  # the grammar's state is this pass's only after the run's last pass
-        first_constraint = constraint if ends_here and len(group) == 1 else None
-        kept, finish, text = _append(state, group[:1], cfg, setup, tracker, first_constraint)
-        state.pending = list(kept)
-        if finish is None and len(group) > 1:
-            forced_constraint = constraint if ends_here else None
-            jumped, finish, jumped_text = _append(state, group[1:], cfg, setup, tracker, forced_constraint)
-            state.pending += jumped
-            state.mtp.advance(jumped)
-            stats.jump_forward_tokens += len(jumped)
-            kept, text = kept + jumped, text + jumped_text
-        if finish is None and cfg.max_time is not None and ended[i] - start >= cfg.max_time:
-            finish = "timeout"
-        if finish is not None:
-            runner.drop(sum(len(g) for g in groups[i:last]))  # fed after this pass: not the output's
             text += tracker.finish()
         stats.new_tokens, stats.wall_s = len(state.out), time.perf_counter() - start
         yield StreamChunk(

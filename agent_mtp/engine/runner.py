@@ -40,29 +40,6 @@ class GreedyRunRunner(Runner, Protocol):
         ...
 
 
-GrammarStep = Callable[[torch.Tensor, int], tuple[list[int], bool]]
-"""A constrained run's step (:meth:`ConstrainedRunRunner.constrained_steps`): given a pass's logits row [1, V] and its
-argmax (mask token left out), the tokens the sequence takes after that pass (the grammar's greedy token, then the
-text the grammar forces after it, every one already accepted by the grammar) and whether the run goes on (fed those
-tokens). Called on the thread that runs the passes."""
-
-
-@runtime_checkable
-class ConstrainedRunRunner(Runner, Protocol):
-    """A runner that can chain greedy passes under a grammar without returning to the decode loop between them: each
-    pass's token is chosen by a :data:`GrammarStep` on the thread that runs the passes (the fast runner's compute
-    thread, or a batch scheduler's), so a constrained sequence holds no Python step of its own thread, and keeps no
-    batched pass waiting for one, between its passes."""
-
-    def constrained_steps(
-        self, feed: Sequence[int], steps: int, step: GrammarStep
-    ) -> tuple[list[list[int]], list[float]]:
-        """Feed ``feed`` (one pass, its last row's logits kept), then each pass's tokens from ``step``, for up to
-        ``steps`` passes, ending early where ``step`` says so. Returns each pass's tokens (the last pass's not fed:
-        they are the decode loop's next pending tokens) and the ``time.perf_counter()`` at which each pass ended."""
-        ...
-
-
 @runtime_checkable
 class PrefixRunner(Runner, Protocol):
     """A runner whose cache can be copied out and started from a cached prefix (for the prefix cache)."""

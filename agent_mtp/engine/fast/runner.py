@@ -9,7 +9,6 @@ import torch
 
 from agent_mtp.engine.fast.cache import KVCache
 from agent_mtp.engine.fast.model import FastModel
-from agent_mtp.engine.runner import GrammarStep
 from agent_mtp.engine.threads import compute
 
 
@@ -80,40 +79,6 @@ class FastRunner:
                 break
             feed = tokens[-1]
         return tokens, ended
-
-    def constrained_steps(
-        self, feed: Sequence[int], steps: int, step: GrammarStep
-    ) -> tuple[list[list[int]], list[float]]:
-        """Up to ``steps`` greedy passes under a grammar in one call to the compute thread, each fed the tokens
-        ``step`` took after the last (see :class:`agent_mtp.engine.runner.ConstrainedRunRunner`): the grammar's
-        choice and its forced text are made where the logits were written, with no hand-over to the caller's thread
-        and no decode step in Python between the passes. The passes read whole rows (a rejected argmax falls back to
-        the allowed maximum), so the output head never screens them."""
-        if steps < 1:
-            raise ValueError(f"steps={steps} is not a number of passes; use 1 or more.")
-        if not feed:
-            raise ValueError("A constrained run needs at least one token to feed.")
-        return self._constrained_run(list(feed), steps, step)
-
-    def _constrained_run(self, feed: list[int], steps: int, step: GrammarStep) -> tuple[list[list[int]], list[float]]:
-        """The run itself (:meth:`constrained_steps` checked its arguments); a batched runner makes it in the
-        batches."""
-        return compute().run(self._constrained_steps, feed, steps, step)
-
-    def _constrained_steps(self, feed: list[int], steps: int, step: GrammarStep) -> tuple[list[list[int]], list[float]]:
-        groups: list[list[int]] = []
-        ended: list[float] = []
-        for _ in range(steps):
-            logits = self.model.forward(feed, self.cache, 1, coarse_masks=self.coarse_masks)
-            self.tokens += feed
-            self.greedy = self.model.greedy_tokens(logits)
-            group, go_on = step(logits, self.greedy[-1])
-            groups.append(group)
-            ended.append(time.perf_counter())
-            if not go_on:
-                break
-            feed = group
-        return groups, ended
 
     def drop(self, num_tokens: int) -> None:
         if num_tokens > 0:
