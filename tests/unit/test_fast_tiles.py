@@ -75,14 +75,39 @@ def test_tile_products_are_float32_accurate_at_every_pass_size(kind: str, out: i
 
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 def test_a_rows_tile_result_does_not_depend_on_the_pass(kind: str) -> None:
-    """Every row alone, at any position of any pass size (chunks of 8 rows, a 9th in a chunk of its own): the same
-    bits. Batched and drafted passes therefore give each sequence what a one-token pass gives."""
+    """Every row alone, at any position of any pass size (VNNI: chunks of up to 16 rows; tiles: of 8, a 9th in a
+    chunk of its own): the same bits. Batched and drafted passes therefore give each sequence what a one-token pass
+    gives."""
     _, blocks = _blocks(kind, 48, 128)
     x = torch.randn(25, 128)
     together = blocks(x)
     for n in range(1, 26):
         assert torch.equal(blocks(x[:n]), together[:n]), n
         assert torch.equal(blocks(x[n - 1 : n]), together[n - 1 : n]), n
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_vnni_chunks_of_any_size_give_the_same_bits(kind: str, path: str) -> None:
+    """VNNI multiplies passes of up to 16 rows in one chunk of their record streams and longer ones in chunks as
+    equal as can be; each row's sums and scaling are its own, so chunks of up to 8 (as before), 5 or 1 give every
+    row the same bits at every pass size."""
+    if path != "vnni":
+        pytest.skip("the chunks are VNNI's")
+    ops = torch.ops.agent_mtp_blockq
+    _, blocks = _blocks(kind, 48, 128)
+    x = torch.randn(40, 128, generator=torch.Generator().manual_seed(3))
+    assert ops.vnni_chunk(-1) == 16
+    sizes = (1, 8, 9, 12, 16, 17, 25, 33, 40)
+    wide = {n: blocks(x[:n]) for n in sizes}
+    try:
+        for most in (8, 5, 1):
+            assert ops.vnni_chunk(most) == most
+            for n in sizes:
+                assert torch.equal(blocks(x[:n]), wide[n]), (most, n)
+    finally:
+        ops.vnni_chunk(16)
+    with pytest.raises(RuntimeError, match="vnni_chunk takes"):
+        ops.vnni_chunk(17)
 
 
 def test_tiles_serve_extra_rows_a_norm_a_residual_and_exception_rows() -> None:
@@ -161,9 +186,9 @@ def test_record_switches_and_kernel_tag(path: str) -> None:
             with blockq.vnni(True) as both:  # short passes on VNNI: a tag (cost curve) of its own
                 assert blockq.kernel_tag() == ("blockq8-vnni3-amx6-24" if both else "blockq8-amx")
     else:
-        assert tag.startswith("blockq14") and tag.endswith("-vnni3")
+        assert tag.startswith("blockq14") and tag.endswith("-vnni4")
     with blockq.avx_kernels():
-        assert not blockq.records_active() and not blockq.kernel_tag().endswith(("-amx", "-vnni3"))
+        assert not blockq.records_active() and not blockq.kernel_tag().endswith(("-amx", "-vnni4"))
     assert blockq.records_active() and blockq.kernel_tag() == tag
 
 

@@ -509,14 +509,15 @@ def kernel_tag() -> str:
     # position ahead (cheaper passes of 5+ rows); 10: their tiles of 2-5 rows take 2-4 groups at once (the output
     # head of 2-4-row passes ~1.3-1.5x faster); 11: AVX2 passes of 16+ rows multiply weights rebuilt once per task;
     # 12: from 9 rows (a tie on Zen 3, 0.75x the time at 10-12 rows on Zen 1); 13: attention's AVX2 loops ask for
-    # the next chunk of keys / values as they go (0.82-0.92x the attention time on Zen 3)
+    # the next chunk of keys / values as they go (0.82-0.92x the attention time on Zen 3); vnni4: VNNI passes of
+    # 9-16 rows in one chunk (two of 8 before), longer ones in equal chunks
     forms = avx512_forms()
     tag = {Wide.NONE: "blockq14", Wide.ALL: "blockq14-avx512"}.get(
         forms, f"blockq14-avx512{(forms.name or '').lower()}"
     )
     if not forms & Wide.LANES and buffered_rows() != BUFFERED_ROWS:  # AVX2 lane passes buffered from fewer rows
         tag += f"-b{buffered_rows()}"
-    return f"{tag}-vnni3" if vnni_active() else tag
+    return f"{tag}-vnni4" if vnni_active() else tag
 
 
 def pinned_rows() -> int | None:

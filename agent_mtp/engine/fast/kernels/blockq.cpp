@@ -1159,10 +1159,18 @@ inline void release() { _tile_release(); }
 // quants against the signed a0: (a0 + 128) x q minus 128 x sum(q)), scaled by the tiles' own code, so the numbers are
 // the tiles' bit for bit. Against the AVX kernels a block needs no weight rebuilt in float32: ~40 instructions per
 // 512 weights and row instead of ~130, which the one-token pass was bound by. Serves every pass size (in chunks of
-// 8 rows; from 8 rows on the lane kernels are as fast), so a row's numbers never depend on the pass.
+// up to 16 rows), so a row's numbers never depend on the pass.
 namespace vnni {
 
-constexpr int kChunk = 8;  // rows per pass over a record stream (its 8 quant registers feed up to 8 rows)
+// Rows per pass over a record stream (its 8 quant registers feed them all), at most: a pass of more rows is split
+// into chunks as equal as can be. Each row's sums and scaling are its own, so the chunking never changes a bit. Chunks
+// of up to 8 made a pass of 9 rows one of 8 and one of 1: the weights streamed from memory twice and the lone row ran
+// at a one-row pass's latency-bound rate (~50 cycles a record block on Zen 5, against ~16 a row at 8-16 rows, measured
+// in a standalone copy of the kernel); 12 and 16 rows a chunk cost a row what 8 do (AVX-512 has 32 registers: 16
+// sums, 8 quant registers and a row's 6 product chains, a few spills).
+constexpr int kChunk = 16;
+// The largest chunk passes take (kChunk; 8 keeps the chunks of before, for comparisons: vnni_chunk below).
+std::atomic<int64_t> g_vnni_chunk{kChunk};
 // Blocks a record stream is prefetched ahead of its product (into L1; the last ones fetch the next stream's start,
 // which is contiguous). Short passes are bound by memory: on a 2-core Emerald Rapids VM 1-2-row passes took
 // 0.88-0.94x the time with 8 blocks ahead instead of the tiles' 4; 12 blocks, or 4 plus an L2 prefetch 24 ahead,
@@ -1221,7 +1229,7 @@ inline void stream_product(const tiles::Grid& g, int64_t rows, int64_t r0, int64
       }
     }
     const __m512 d = tiles::record_d<kQ4>(rb), m = tiles::record_m<kQ4>(rb);
-#pragma GCC unroll 8
+#pragma GCC unroll 16
     for (int i = 0; i < R; ++i) {
       const uint8_t* a0 = reinterpret_cast<const uint8_t*>(g.a0.data()) + (b * rows + r0 + i) * kBlock;
       const uint8_t* a1 = g.a12.data() + (b * rows + r0 + i) * 2 * kBlock;
@@ -1272,8 +1280,16 @@ void records_product(const tiles::Grid& g, int64_t rows, int64_t blocks, const u
     const __mmask16 keep = static_cast<__mmask16>((1u << last) - 1u);
     const uint8_t* stream = rec + s * stride;
     float* ys = y + s * tiles::kFeatures;
-    for (int64_t r0 = first_row; r0 < rows; r0 += kChunk) {
-      switch (std::min<int64_t>(kChunk, rows - r0)) {
+    const int64_t left = rows - first_row, most = g_vnni_chunk.load(std::memory_order_relaxed);
+    const int64_t chunks = (left + most - 1) / most;
+    for (int64_t c = 0, r0 = first_row; c < chunks; ++c) {
+      const int64_t size = left / chunks + (c < left % chunks ? 1 : 0);  // as equal as can be, larger ones first
+      switch (size) {
+#define AGENT_MTP_STREAM_CASE(R) \
+  case R: stream_product<kQ4, R>(g, rows, r0, blocks, stream, ys + r0 * ldy, ldy, add, keep); break;
+        AGENT_MTP_STREAM_CASE(16) AGENT_MTP_STREAM_CASE(15) AGENT_MTP_STREAM_CASE(14) AGENT_MTP_STREAM_CASE(13)
+        AGENT_MTP_STREAM_CASE(12) AGENT_MTP_STREAM_CASE(11) AGENT_MTP_STREAM_CASE(10) AGENT_MTP_STREAM_CASE(9)
+#undef AGENT_MTP_STREAM_CASE
         case 8: stream_product<kQ4, 8>(g, rows, r0, blocks, stream, ys + r0 * ldy, ldy, add, keep); break;
         case 7: stream_product<kQ4, 7>(g, rows, r0, blocks, stream, ys + r0 * ldy, ldy, add, keep); break;
         case 6: stream_product<kQ4, 6>(g, rows, r0, blocks, stream, ys + r0 * ldy, ldy, add, keep); break;
@@ -1283,6 +1299,7 @@ void records_product(const tiles::Grid& g, int64_t rows, int64_t blocks, const u
         case 2: stream_product<kQ4, 2>(g, rows, r0, blocks, stream, ys + r0 * ldy, ldy, add, keep); break;
         default: stream_product<kQ4, 1>(g, rows, r0, blocks, stream, ys + r0 * ldy, ldy, add, keep); break;
       }
+      r0 += size;
     }
   }
 }
@@ -2329,6 +2346,13 @@ void weighted_common(int64_t n, const float* const* p, const KV* values, int64_t
 // the pair loops (the form before; tests and measurements compare them).
 std::atomic<int64_t> g_attention_prefetch{1};
 
+int64_t vnni_chunk(int64_t request) {
+  TORCH_CHECK(request == -1 || (request >= 1 && request <= vnni::kChunk), "vnni_chunk takes -1 (read) or the most "
+              "rows a VNNI chunk may hold, 1 to ", vnni::kChunk, ", got ", request);
+  if (request >= 1) vnni::g_vnni_chunk = request;
+  return vnni::g_vnni_chunk.load();
+}
+
 int64_t attention_prefetch(int64_t request) {
   TORCH_CHECK(request >= -1 && request <= 2, "attention_prefetch takes -1 (read), 0 (a burst per chunk), 1 "
               "(spread over the loops) or 2 (spread over the AVX2 loops, a burst for the AVX-512 pairs), got ",
@@ -2991,6 +3015,8 @@ TORCH_LIBRARY(agent_mtp_blockq, m) {
   // how attention's AVX2 loops ask for the next chunk of keys / values: 1 a few lines per block of 8 keys (the
   // default), 0 the whole chunk at once (as before); -1 reads. The same numbers either way.
   m.def("attention_prefetch(int request=-1) -> int", &attention_prefetch);
+  // the most rows a VNNI chunk holds (16, the default; 8 as before 2026-12-07); -1 reads. The same numbers either way.
+  m.def("vnni_chunk(int request=-1) -> int", &vnni_chunk);
   // target[r] += low[r] b_t at the rows of runs (flattened [start, stop) pairs): an adapter's delta at the mask rows
   // (draft: b_t in bfloat16 for the rows of coarse_runs, mask rows that are only drafts; spans: low_rank_spans(b_t),
   // the rank rows not all zero per 64 outputs); low_rank_spans: those spans, [ceil(out / 64), 2] int32
