@@ -272,7 +272,7 @@ def test_the_screen_threshold_is_measured_once_per_machine_and_read_back(
     assert first.stored_choices is not None and first.stored_choices.values["screen_rows"] == timed[0]
     second = FastModel.from_hf(engine.model, mask_token_id=engine.mask_token_id)
     assert second.screen_rows == timed[0] and len(timed) == 1  # read back: nothing timed
-    assert "screen_rows" in second.stored_choices.read if second.stored_choices else False
+    assert second.stored_choices is not None and "screen_rows" in second.stored_choices.read
     monkeypatch.setenv(blockq.SCREEN_ENV, "0")
     assert FastModel.from_hf(engine.model, mask_token_id=engine.mask_token_id).screen_rows == 0
     assert len(timed) == 1

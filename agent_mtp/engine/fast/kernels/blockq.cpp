@@ -1164,10 +1164,11 @@ namespace vnni {
 
 // Rows per pass over a record stream (its 8 quant registers feed them all), at most: a pass of more rows is split
 // into chunks as equal as can be. Each row's sums and scaling are its own, so the chunking never changes a bit. Chunks
-// of up to 8 made a pass of 9 rows one of 8 and one of 1: the weights streamed from memory twice and the lone row ran
-// at a one-row pass's latency-bound rate (~50 cycles a record block on Zen 5, against ~16 a row at 8-16 rows, measured
-// in a standalone copy of the kernel); 12 and 16 rows a chunk cost a row what 8 do (AVX-512 has 32 registers: 16
-// sums, 8 quant registers and a row's 6 product chains, a few spills).
+// of up to 8 made a pass of 9 rows one of 8 and one of 1, the lone row at a one-row pass's latency-bound rate (~50
+// cycles a record block on Zen 5, against ~16 a row at 8-16 rows, measured in a standalone copy of the kernel; its
+// stream was still in the core's cache); 12 and 16 rows a chunk cost a row what 8 do (AVX-512 has 32 registers: 16
+// sums, 8 quant registers and a row's 6 product chains, a few spills). Whole passes of 9 / 10 / 12 rows took 0.96x /
+// 0.97x / 0.98x the time on a 2-core Zen 5, 8 and 14-16 rows the same.
 constexpr int kChunk = 16;
 // The largest chunk passes take (kChunk; 8 keeps the chunks of before, for comparisons: vnni_chunk below).
 std::atomic<int64_t> g_vnni_chunk{kChunk};
