@@ -123,8 +123,10 @@ class BaselineModels:
             if e._cost_curve is None:
                 continue
             curves[runtime] = [list(p) for p in e._cost_curve.points]
+            if e.cost_curve_source != "live":
+                continue
             live = e.pass_times.calibrated(e._cost_curve)
-            if e.cost_curve_source == "live" and live is not e._cost_curve:
+            if live is not e._cost_curve:
                 # rows priced apart (real tokens, draft masks), or every row alike on ``points`` (no record paths)
                 apart = (("real tokens", live.real), ("draft masks", live.draft))
                 kinds = apart if live.draft is not None else (("rows", live.points),)

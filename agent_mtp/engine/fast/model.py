@@ -716,7 +716,7 @@ def measure_screen_rows(model: FastModel, *, rounds: int = 9, context: int = 24)
             model.greedy_tokens(logits)
         elapsed = time.perf_counter() - start
         for cache in caches[:rows]:
-            cache.length -= 1
+            cache.truncate(context)
         return elapsed
 
     chosen = 0
