@@ -8,7 +8,7 @@ import logging
 import os
 import statistics
 import sys
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.table import Table
@@ -26,6 +26,9 @@ from agent_mtp.cli_common import (
     threads_in_use,
 )
 from agent_mtp.errors import AgentMTPError
+
+if TYPE_CHECKING:
+    from agent_mtp.engine.fast.roofline import Roofline
 
 app = typer.Typer(help="agent-mtp: multi-token prediction for agents on local models.", no_args_is_help=True)
 
@@ -211,10 +214,29 @@ def measure_machine(
         points = getattr(curve, attr)
         if points:
             table.add_row(label, ", ".join(f"{n}: {c:.2f}" for n, c in points))
+    if done.roofline is not None:
+        for label, value in _roofline_rows(done.roofline):
+            table.add_row(label, value)
     out.print(table)
     if done.choices_path is not None:
         out.print(f"kernel choices stored in {done.choices_path}")
     out.print(f"cost curve stored in {done.curve_path}")
+
+
+def _roofline_rows(roofline: Roofline) -> list[tuple[str, str]]:
+    """What the machine allows a pass, as table rows: the two rates, then per pass size the pass as measured and
+    at the rates (engine/fast/roofline.py), each also relative to a one-token pass."""
+    rates, threads = roofline.rates, roofline.rates.threads
+    rows = [
+        (f"memory read rate ({threads} threads)", f"{rates.read_gb_s:.1f} GB/s"),
+        (f"float32 GEMM rate ({threads} threads, in cache)", f"{rates.gemm_gmac_s:.0f} G multiply-adds/s"),
+    ]
+    base = dict(roofline.measured).get(1)
+    for n, seconds in roofline.measured:
+        measured = f"{seconds * 1e3:.1f} ms" + (f" ({seconds / base:.2f}x)" if base else "")
+        floor = f"at the rates {roofline.floor(n) * 1e3:.1f} ms ({roofline.floor_ratio(n):.2f}x)"
+        rows.append((f"{n}-token pass at {roofline.context} positions", f"{measured}, {floor}"))
+    return rows
 
 
 def _kernel_choice_row(name: str, value: object) -> tuple[str, str]:

@@ -29,6 +29,7 @@ from agent_mtp.engine.decode import DecodeSetup, decode
 from agent_mtp.engine.fast import FastModel, FastRunner, blockq, unsupported_reason
 from agent_mtp.engine.fast.choices import machine_key
 from agent_mtp.engine.fast.model import SourceSignature
+from agent_mtp.engine.fast.roofline import Roofline, measure_roofline
 from agent_mtp.engine.fast.weights import BLOCKS_EVERY_PASS
 from agent_mtp.engine.loading import DEFAULT_MODEL_ALIASES, LoadedModel, cache_root, load_model, prefix_cache_mb
 from agent_mtp.engine.planner import Planner, needs_cost_curve
@@ -93,6 +94,9 @@ class MachineCosts:
     choices_path: Path | None
     measured: tuple[str, ...]
     """The kernel choices this process measured (the others were read from ``choices_path``)."""
+    roofline: Roofline | None = None
+    """The fast runtime's passes beside the floors this machine's memory and float32 arithmetic allow them
+    (engine/fast/roofline.py); None on the Hugging Face runtime."""
 
 
 class MTPEngine:
@@ -486,12 +490,19 @@ class MTPEngine:
         """Measure this engine's forward cost curve now, use it, and store it where later engines on this machine
         read it (OSError where the cache folder cannot be written); with it the fast runtime's kernel choices as this
         process settled them (measured afresh where ``$AGENT_MTP_KERNEL_CHOICES=measure`` was set before the runtime
-        was prepared, as ``agent-mtp measure-machine`` does). Run it on an idle machine."""
+        was prepared, as ``agent-mtp measure-machine`` does), and on the fast runtime its passes beside the floors the
+        machine allows them (:class:`~agent_mtp.engine.fast.roofline.Roofline`, not stored). Run it on an idle
+        machine."""
         curve = self.measure_cost_curve()
         path = self._cost_curve_path()
         store_curve(path, curve)
         self.set_cost_curve(curve)
         stored = self._fast_model().stored_choices if self.runtime == "fast" else None
+        roofline = None
+        if self.runtime == "fast":
+            fast = self._fast_model()
+            with self._lock:
+                roofline = compute().run(measure_roofline, fast, context=self._curve_prefix_length())
         return MachineCosts(
             curve=curve,
             curve_path=path,
@@ -499,6 +510,7 @@ class MTPEngine:
             kernel_choices=dict(stored.values) if stored is not None else {},
             choices_path=stored.path if stored is not None else None,
             measured=tuple(stored.measured) if stored is not None else (),
+            roofline=roofline,
         )
 
     def _cost_curve_path(self) -> Path:
@@ -524,6 +536,11 @@ class MTPEngine:
         name = f"{slug}-{device}-{dtype}-{self.runtime}{kernels}-t{compute_threads()}-m{machine}-c2.json"
         return cache_root() / "cost_curves" / name
 
+    def _curve_prefix_length(self) -> int:
+        """Cached positions the cost curve's passes (and the roofline's) run on: COST_CURVE_PREFIX where the longest
+        pass still fits the context window (small models fit too)."""
+        return max(min(COST_CURVE_PREFIX, self.context_window - max(CURVE_POINTS)), 1)
+
     def measure_cost_curve(self) -> CostCurve:
         """Time decode-shaped passes of 1..32 tokens (one real token, then masks, every row's logits read) on a
         cached 256-token prefix on this engine's runtime now, and return the curve (relative to one token); where
@@ -533,7 +550,7 @@ class MTPEngine:
         :meth:`set_cost_curve`)."""
         log.info("Measuring the forward cost curve of %s", self.model_id)
         high = min(1000, self.mask_token_id)
-        length = max(min(COST_CURVE_PREFIX, self.context_window - max(CURVE_POINTS)), 1)  # small models fit too
+        length = self._curve_prefix_length()
         prefix = [int(t) for t in torch.randint(3, high, (length,), generator=torch.Generator().manual_seed(0))]
         with self._lock:
             runner = self.new_runner()

@@ -184,6 +184,9 @@ def test_measure_machine_stores_the_cost_curve_that_the_next_engine_reads(
     assert choices.choices_mode() == "measure"
     stored = list((tmp_path / "cost_curves").glob("*.json"))
     assert len(stored) == 1 and "cost curve stored in" in result.output
+    # beside them, what the machine allows a pass (engine/fast/roofline.py): the rates, then the passes both ways
+    assert "memory read rate" in result.output and "float32 GEMM rate" in result.output, result.output
+    assert "8-token pass at" in result.output and "at the rates" in result.output, result.output
     # draft-only masks have a curve of their own only where the record paths (AMX, VNNI) serve them: not on AVX2
     assert ("draft-only masks" in result.output) == blockq.records_active(), result.output
     assert stored[0] == engine._cost_curve_path()
