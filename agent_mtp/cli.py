@@ -226,10 +226,11 @@ def measure_machine(
 def _roofline_rows(roofline: Roofline) -> list[tuple[str, str]]:
     """What the machine allows a pass, as table rows: the two rates, then per pass size the pass as measured and
     at the rates (engine/fast/roofline.py), each also relative to a one-token pass."""
-    rates, threads = roofline.rates, roofline.rates.threads
+    rates = roofline.rates
+    threads = f"{rates.threads} thread{'' if rates.threads == 1 else 's'}"
     rows = [
-        (f"memory read rate ({threads} threads)", f"{rates.read_gb_s:.1f} GB/s"),
-        (f"float32 GEMM rate ({threads} threads, in cache)", f"{rates.gemm_gmac_s:.0f} G multiply-adds/s"),
+        (f"memory read rate ({threads})", f"{rates.read_gb_s:.1f} GB/s"),
+        (f"float32 GEMM rate ({threads}, in cache)", f"{rates.gemm_gmac_s:.0f} G multiply-adds/s"),
     ]
     base = dict(roofline.measured).get(1)
     for n, seconds in roofline.measured:
