@@ -235,8 +235,8 @@ def _roofline_rows(roofline: Roofline) -> list[tuple[str, str]]:
     base = dict(roofline.measured).get(1)
     for n, seconds in roofline.measured:
         measured = f"{seconds * 1e3:.1f} ms" + (f" ({seconds / base:.2f}x)" if base else "")
-        floor = f"at the rates {roofline.floor(n) * 1e3:.1f} ms ({roofline.floor_ratio(n):.2f}x)"
-        rows.append((f"{n}-token pass at {roofline.context} positions", f"{measured}, {floor}"))
+        at_rates = f"at the rates {roofline.at_rates(n) * 1e3:.1f} ms ({roofline.ratio_at_rates(n):.2f}x)"
+        rows.append((f"{n}-token pass at {roofline.context} positions", f"{measured}, {at_rates}"))
     return rows
 
 

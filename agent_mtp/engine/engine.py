@@ -95,7 +95,7 @@ class MachineCosts:
     measured: tuple[str, ...]
     """The kernel choices this process measured (the others were read from ``choices_path``)."""
     roofline: Roofline | None = None
-    """The fast runtime's passes beside the floors this machine's memory and float32 arithmetic allow them
+    """The fast runtime's passes beside the same passes at this machine's memory and float32 GEMM rates
     (engine/fast/roofline.py); None on the Hugging Face runtime."""
 
 
@@ -490,8 +490,8 @@ class MTPEngine:
         """Measure this engine's forward cost curve now, use it, and store it where later engines on this machine
         read it (OSError where the cache folder cannot be written); with it the fast runtime's kernel choices as this
         process settled them (measured afresh where ``$AGENT_MTP_KERNEL_CHOICES=measure`` was set before the runtime
-        was prepared, as ``agent-mtp measure-machine`` does), and on the fast runtime its passes beside the floors the
-        machine allows them (:class:`~agent_mtp.engine.fast.roofline.Roofline`, not stored). Run it on an idle
+        was prepared, as ``agent-mtp measure-machine`` does), and on the fast runtime its passes beside the same passes
+        at the machine's rates (:class:`~agent_mtp.engine.fast.roofline.Roofline`, not stored). Run it on an idle
         machine."""
         curve = self.measure_cost_curve()
         path = self._cost_curve_path()

@@ -23,16 +23,16 @@ SHAPE = PassShape(
 
 def test_a_short_pass_is_bound_by_what_it_reads_and_a_long_one_by_what_it_computes() -> None:
     read = (100_000_000 + 300 * 40_000) / 20e9  # 5.6 ms
-    assert SHAPE.floor_seconds(RATES, 1, 300) == pytest.approx(read)
-    assert SHAPE.floor_seconds(RATES, 2, 300) == pytest.approx(read)  # 2 x 134M multiply-adds: 5.36 ms < 5.6
-    assert SHAPE.floor_seconds(RATES, 8, 300) == pytest.approx(8 * (125_000_000 + 300 * 30_000) / 50e9)
+    assert SHAPE.seconds_at(RATES, 1, 300) == pytest.approx(read)
+    assert SHAPE.seconds_at(RATES, 2, 300) == pytest.approx(read)  # 2 x 134M multiply-adds: 5.36 ms < 5.6
+    assert SHAPE.seconds_at(RATES, 8, 300) == pytest.approx(8 * (125_000_000 + 300 * 30_000) / 50e9)
     roofline = Roofline(RATES, SHAPE, context=300, measured=())
-    assert roofline.floor_ratio(1) == 1.0
-    assert roofline.floor_ratio(16) == pytest.approx(2 * roofline.floor_ratio(8))
+    assert roofline.ratio_at_rates(1) == 1.0
+    assert roofline.ratio_at_rates(16) == pytest.approx(2 * roofline.ratio_at_rates(8))
     # a longer context reads more cache: the one-row pass takes longer, the ratio falls
-    assert roofline.floor_ratio(8) > Roofline(RATES, SHAPE, context=3000, measured=()).floor_ratio(8)
+    assert roofline.ratio_at_rates(8) > Roofline(RATES, SHAPE, context=3000, measured=()).ratio_at_rates(8)
     with pytest.raises(ValueError, match="rows=0"):
-        SHAPE.floor_seconds(RATES, 0, 300)
+        SHAPE.seconds_at(RATES, 0, 300)
 
 
 @pytest.fixture(scope="module")

@@ -30,18 +30,19 @@ READ_MIB = 256
 GEMM_SIZE = 512
 """Side of the square float32 matrices the GEMM rate multiplies: 1 MiB each, in the L2 / L3 caches."""
 PASS_ROWS = (1, 2, 4, 8, 16)
-"""Pass sizes the floors (and the measured passes) are given for."""
+"""Pass sizes the roofline measures and gives at the rates."""
 
 
 @dataclass(frozen=True)
 class MachineRates:
-    """The two rates a pass's floor divides by, measured on ``threads`` threads."""
+    """The two rates a pass's time at the rates divides by, measured on ``threads`` threads."""
 
     read_gb_s: float
     """Bytes per second (1e9) a sum over a float32 tensor far larger than the caches streams."""
     gemm_gmac_s: float
     """Multiply-adds per second (1e9) of torch's float32 GEMM on matrices that sit in the caches: what the cores'
-    vector units give float32 products (exact products, as the fast runtime's kernels make, cannot go faster)."""
+    vector units give float32 products (the AVX kernels' exact float32 products do not go faster; the VNNI and AMX
+    record paths multiply in integers and can)."""
     threads: int
 
 
@@ -76,7 +77,7 @@ class PassShape:
             attention_macs_per_position=layers * 2 * model.q_dim,
         )
 
-    def floor_seconds(self, rates: MachineRates, rows: int, context: int) -> float:
+    def seconds_at(self, rates: MachineRates, rows: int, context: int) -> float:
         """A pass of ``rows`` new rows over ``context`` cached positions at the machine's rates: its bytes at the read
         rate or its multiply-adds at the GEMM rate, whichever is longer (the two overlap at best)."""
         if rows < 1 or context < 0:
@@ -88,7 +89,7 @@ class PassShape:
 
 @dataclass(frozen=True)
 class Roofline:
-    """A prepared model's pass floors on this machine, with the passes as measured."""
+    """A prepared model's passes at this machine's rates, with the passes as measured."""
 
     rates: MachineRates
     shape: PassShape
@@ -96,12 +97,12 @@ class Roofline:
     measured: tuple[tuple[int, float], ...]
     """(rows, seconds): the fastest of a few passes of that many rows (every row's logits read) at ``context``."""
 
-    def floor(self, rows: int) -> float:
-        return self.shape.floor_seconds(self.rates, rows, self.context)
+    def at_rates(self, rows: int) -> float:
+        return self.shape.seconds_at(self.rates, rows, self.context)
 
-    def floor_ratio(self, rows: int) -> float:
+    def ratio_at_rates(self, rows: int) -> float:
         """A ``rows``-row pass at the rates over a one-row pass at the rates."""
-        return self.floor(rows) / self.floor(1)
+        return self.at_rates(rows) / self.at_rates(1)
 
 
 def _best_of(rounds: int, call: Callable[[], object]) -> float:
