@@ -497,10 +497,10 @@ class MTPEngine:
         path = self._cost_curve_path()
         store_curve(path, curve)
         self.set_cost_curve(curve)
-        stored = self._fast_model().stored_choices if self.runtime == "fast" else None
+        fast = self._fast_model() if self.runtime == "fast" else None
+        stored = fast.stored_choices if fast is not None else None
         roofline = None
-        if self.runtime == "fast":
-            fast = self._fast_model()
+        if fast is not None:
             with self._lock:
                 roofline = compute().run(measure_roofline, fast, context=self._curve_prefix_length())
         return MachineCosts(

@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from agent_mtp.engine.fast.weights import fastest
+
 if TYPE_CHECKING:
     from agent_mtp.engine.fast.model import FastModel
 
@@ -105,13 +107,10 @@ class Roofline:
         return self.at_rates(rows) / self.at_rates(1)
 
 
-def _best_of(rounds: int, call: Callable[[], object]) -> float:
-    best = float("inf")
-    for _ in range(rounds):
-        start = time.perf_counter()
-        call()
-        best = min(best, time.perf_counter() - start)
-    return best
+def _seconds(call: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    call()
+    return time.perf_counter() - start
 
 
 def measure_rates(*, read_mib: int = READ_MIB, gemm_size: int = GEMM_SIZE, rounds: int = 5) -> MachineRates:
@@ -119,8 +118,6 @@ def measure_rates(*, read_mib: int = READ_MIB, gemm_size: int = GEMM_SIZE, round
     if read_mib < 1 or gemm_size < 8 or rounds < 1:
         raise ValueError(f"read_mib={read_mib}, gemm_size={gemm_size}, rounds={rounds}: each must be positive.")
     block = torch.ones(read_mib * (1 << 20) // 4)
-    read = _best_of(rounds, block.sum)
-    del block
     a = torch.randn(gemm_size, gemm_size)
     b = torch.randn(gemm_size, gemm_size)
     out = torch.empty(gemm_size, gemm_size)
@@ -130,8 +127,9 @@ def measure_rates(*, read_mib: int = READ_MIB, gemm_size: int = GEMM_SIZE, round
         for _ in range(repeats):
             torch.mm(a, b, out=out)
 
-    gemms()  # the first call may pick and pack a kernel
-    gemm = _best_of(rounds, gemms)
+    calls: dict[str, Callable[[], object]] = {"read": block.sum, "gemm": gemms}
+    best = fastest(tuple(calls), lambda name, _: _seconds(calls[name]), 0, rounds)  # after a warm-up call each
+    read, gemm = best["read"], best["gemm"]
     return MachineRates(
         read_gb_s=read_mib * (1 << 20) / read / 1e9,
         gemm_gmac_s=repeats * gemm_size**3 / gemm / 1e9,
@@ -142,8 +140,9 @@ def measure_rates(*, read_mib: int = READ_MIB, gemm_size: int = GEMM_SIZE, round
 def measure_passes(
     model: FastModel, *, context: int, rows: Sequence[int] = PASS_ROWS, rounds: int = 5
 ) -> tuple[tuple[int, float], ...]:
-    """The fastest of ``rounds`` passes of each size in ``rows`` (token ids from 3 up to 1000 or the vocabulary's
-    end, every row's logits read) on a cached prefix of ``context`` tokens, rolled back after each."""
+    """The fastest of ``rounds`` passes of each size in ``rows`` (the sizes alternating; token ids from 3 up to 1000
+    or the vocabulary's end, every row's logits read) on a cached prefix of ``context`` tokens, rolled back after
+    each."""
     if context < 1 or not rows or min(rows) < 1:
         raise ValueError(f"context={context}, rows={list(rows)}: a prefix of at least one token, rows of at least 1.")
     generator = torch.Generator().manual_seed(0)
@@ -151,17 +150,17 @@ def measure_passes(
     prefix = [int(t) for t in torch.randint(3, high, (context,), generator=generator)]
     cache = model.new_cache(context + max(rows))
     model.forward(prefix, cache, 1)
-    timed = []
-    for n in rows:
+
+    def one_pass(n: int, _: int) -> float:
         tokens = prefix[:n] if n <= context else (prefix * (n // context + 1))[:n]
+        start = time.perf_counter()
+        model.forward(tokens, cache, n)
+        seconds = time.perf_counter() - start
+        cache.truncate(context)
+        return seconds
 
-        def one_pass(tokens: list[int] = tokens, n: int = n) -> None:
-            model.forward(tokens, cache, n)
-            cache.truncate(context)
-
-        one_pass()  # warm: the lane layout and the buffers of this size
-        timed.append((n, _best_of(rounds, one_pass)))
-    return tuple(timed)
+    best = fastest(tuple(rows), one_pass, 0, rounds)  # sizes alternate, each after a warm-up pass
+    return tuple((n, best[n]) for n in rows)
 
 
 def measure_roofline(model: FastModel, *, context: int, rows: Sequence[int] = PASS_ROWS) -> Roofline:

@@ -280,7 +280,7 @@ def _block_bytes(linear: PackedLinear) -> int:
 _T = TypeVar("_T")
 
 
-def _fastest(choices: Sequence[_T], timed: Callable[[_T, int], float], rows: int, rounds: int) -> dict[_T, float]:
+def fastest(choices: Sequence[_T], timed: Callable[[_T, int], float], rows: int, rounds: int) -> dict[_T, float]:
     """The fastest of ``rounds`` timings ``timed(choice, rows)`` of each choice, the choices alternating after one
     warm-up call each."""
     best = dict.fromkeys(choices, math.inf)
@@ -321,7 +321,7 @@ def measure_avx512(linears: Sequence[PackedLinear], *, rounds: int = 3) -> block
     for kernels, sizes in WIDE_ROWS.items():
         totals = dict.fromkeys((kernels, blockq.Wide.NONE), 0.0)
         for rows in sizes:
-            best = _fastest(tuple(totals), timed, rows, rounds)
+            best = fastest(tuple(totals), timed, rows, rounds)
             log.debug(
                 "%s at %d rows: AVX-512 %.2f ms, AVX2 %.2f ms",
                 kernels.name,
@@ -361,7 +361,7 @@ def measure_buffered_rows(linears: Sequence[PackedLinear], *, rounds: int = 2) -
     paths = (blockq.BUFFERED_LOW_ROWS, blockq.BUFFERED_ROWS)
     totals = dict.fromkeys(paths, 0.0)
     for rows in BUFFERED_SIZES:
-        best = _fastest(paths, timed, rows, rounds)
+        best = fastest(paths, timed, rows, rounds)
         log.debug("%d rows: buffered %.2f ms, lane tiles %.2f ms", rows, 1e3 * best[paths[0]], 1e3 * best[paths[1]])
         for path in paths:
             totals[path] += best[path]
