@@ -167,6 +167,11 @@ def report_markdown(report: BenchReport) -> str:
             "## Per suite: decode tokens/s over the engine's NTP (after the first token)",
             suite_ratio_markdown(report, "decode_tokens_per_s"),
         ),
+        "## Per suite: share of the time before the first token (the prompt's prefill; no decoding speedup "
+        "touches it: a free decode loop would run at most 1 / share times as fast)",
+        "",
+        suite_markdown(report, "prefill_share", _pct),
+        "",
         "## Per suite: task-level agreement with NTP",
         "",
         suite_markdown(report, "task_agreement", _pct),

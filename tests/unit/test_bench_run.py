@@ -23,7 +23,7 @@ from agent_mtp.bench.core import (
     variants_from_names,
 )
 from agent_mtp.bench.hf import bare_model
-from agent_mtp.bench.markdown import report_markdown, suite_ratio_markdown
+from agent_mtp.bench.markdown import report_markdown, suite_markdown, suite_ratio_markdown
 from agent_mtp.bench.plots import write_plots
 from agent_mtp.bench.suites import load_suite, parse_suite
 from agent_mtp.engine import DecodeConfig
@@ -108,6 +108,9 @@ def test_bench_runs_every_variant_and_lossless_ones_equal_ntp(engine: Any, promp
     without_ntp = run_bench(engine, prompts[2:], variants_from_names(["verified"], k_max=4))
     assert suite_ratio_markdown(without_ntp, "tokens_per_s") is None
     assert "over the engine's NTP" in report_markdown(report)
+    shares = suite_markdown(report, "prefill_share", lambda v: f"{100 * v:.0f}%")
+    assert "before the first token" in report_markdown(report) and shares in report_markdown(report)
+    assert all(0 < s.prefill_share < 1 for s in report.summaries)
     assert "over the engine's NTP" not in report_markdown(without_ntp)
 
 
@@ -376,3 +379,7 @@ def test_decode_rate_counts_the_tokens_after_the_first_over_the_time_after_it() 
     assert ntp.decode_tokens_per_s == pytest.approx(24 / 1.2)
     assert ntp.decode_speedup_vs_hf == pytest.approx(4.0)
     assert ntp.tokens_per_s == pytest.approx(33 / 2.4)  # the prefill counted
+    # the share of the time before the first token, pooled over the timed runs: (0.5 + 0.4) s of (1.5 + 0.6) s
+    assert hf.prefill_share == pytest.approx(0.2) and ntp.prefill_share == pytest.approx(0.9 / 2.1)
+    untimed = summarise([Run("ntp", "c", [1, 2], wall_s=0.3, ttft_s=math.nan, forward_passes=2)], [Variant("ntp")])
+    assert math.isnan(untimed[0].prefill_share)
