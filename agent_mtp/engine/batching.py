@@ -237,9 +237,12 @@ class BatchScheduler:
             if job.steps:
                 job.run.append(greedy[-1])
                 job.stamps.append(ended)
-                if job.goes_on():  # its next pass is already known: no wake-up, no step in Python between
-                    going_on.append(job)
-                    continue
+                try:
+                    if job.goes_on():  # its next pass is already known: no wake-up, no step in Python between
+                        going_on.append(job)
+                        continue
+                except Exception as e:  # its ``until`` failed: the error is its caller's, the passes go on
+                    job.error = e
             job.done.set()
         with self._cond:
             self._passes += 1

@@ -614,3 +614,42 @@ def test_auto_k_takes_greedy_runs_where_its_k_is_one(monkeypatch: pytest.MonkeyP
         assert (mine.forward_passes, mine.k_used) == (theirs.forward_passes, theirs.k_used)
         assert any(k > 1 for k in theirs.k_used)  # exploring passes took masks, as without runs
         assert runs and sum(runs) >= mine.forward_passes // 2  # most plain passes made in runs
+
+
+def test_a_failing_run_watch_fails_its_own_run_and_the_scheduler_goes_on(engine: MTPEngine) -> None:
+    """A greedy run's ``until`` (the prompt lookup's watch) runs on the scheduler thread: its error is raised to its
+    own caller, and the scheduler keeps serving the other sequences (before, the error ended the scheduler thread and
+    every caller waited forever)."""
+    batched = BatchedEngine(engine)
+    assert batched.scheduler is not None
+    try:
+        runner = batched.scheduler.runner()
+        runner.forward(_ids(6, 3), 1)
+        seen: list[int] = []
+
+        def broken(token: int) -> bool:
+            seen.append(token)
+            if len(seen) == 2:
+                raise RuntimeError("the watch broke")
+            return False
+
+        raised: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                runner.greedy_steps(5, 4, frozenset(), broken)
+            except BaseException as e:
+                raised.append(e)
+
+        caller = threading.Thread(target=run, daemon=True)  # a daemon: a hung caller cannot hang the test session
+        caller.start()
+        caller.join(timeout=30)
+        assert not caller.is_alive(), "the caller still waits for its run"
+        assert len(raised) == 1 and "the watch broke" in str(raised[0])
+        assert len(seen) == 2
+        runner.close()
+        cfg = DecodeConfig(mode="ntp", max_new_tokens=8, prefix_cache=False)
+        prompt = _ids(5, 4)
+        assert batched.generate(prompt, cfg).token_ids == engine.generate(prompt, cfg).token_ids
+    finally:
+        batched.close()
