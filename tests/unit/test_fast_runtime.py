@@ -238,6 +238,35 @@ def test_cache_grows_and_truncates() -> None:
         cache.truncate(2)
 
 
+def test_cache_layers_are_views_of_one_storage_copied_in_and_out_at_once() -> None:
+    """Every layer is a view of one tensor, kept so across growth: a segment of all layers' positions is read and
+    written in one copy (a prefix restored from the prefix cache, an export to it), and round-trips exactly."""
+    cache = KVCache(3, 2, 4, max_length=64, capacity=4)
+    segment = torch.randn(3, 2, 2, 5, 4)
+    cache.write(segment)  # grows past its capacity of 4
+    assert cache.length == 5 and cache.capacity == 8
+    for i, layer in enumerate(cache.layers):
+        assert layer.data_ptr() == cache.storage[i].data_ptr() and layer.is_contiguous()
+        assert torch.equal(layer[:, :, :5], segment[i])
+    cache.layers[1][:, :, 5] = 7.0  # a pass writes a position through a layer's view
+    cache.length = 6
+    cache.write(torch.ones(3, 2, 2, 4, 4))  # grows again: the written positions move with the storage
+    assert cache.capacity == 16 and cache.layers[1][:, :, 5].eq(7.0).all()
+    read = cache.read(2, 6)
+    assert read.shape == (3, 2, 2, 4, 4) and torch.equal(read[:, :, :, :3], segment[:, :, :, 2:])
+    read.zero_()  # a copy: the cache keeps its values
+    assert torch.equal(cache.read(0, 5), segment)
+    other = KVCache(3, 2, 4, max_length=64)
+    other.write(cache.read(0, cache.length))
+    assert torch.equal(other.read(0, other.length), cache.read(0, cache.length))
+    with pytest.raises(ValueError, match=r"does not fit this cache; it needs \[3, 2, 2, n, 4\]"):
+        cache.write(torch.zeros(2, 2, 2, 1, 4))
+    with pytest.raises(ValueError, match=r"Cannot read positions \[4, 11\)"):
+        cache.read(4, 11)
+    with pytest.raises(ValueError, match="context window is 64"):
+        cache.write(torch.zeros(3, 2, 2, 60, 4))
+
+
 def test_runtime_choice_is_validated() -> None:
     engine = tiny_engine()
     with pytest.raises(ConfigError, match="runtime='turbo'"):

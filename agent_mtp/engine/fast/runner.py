@@ -87,7 +87,7 @@ class FastRunner:
 
     def export(self, start: int, end: int) -> torch.Tensor:
         """Keys and values of positions [start, end): [layers, 2, kv_heads, end - start, head_dim] (a copy)."""
-        return compute().run(_stack, [layer[:, :, start:end] for layer in self.cache.layers])
+        return compute().run(self.cache.read, start, end)
 
     def load(self, tokens: list[int], segments: Sequence[torch.Tensor]) -> None:
         """Start from a cached prefix: ``segments`` (payloads of :meth:`export`, in order) hold ``tokens``' KV."""
@@ -96,18 +96,10 @@ class FastRunner:
     def _load(self, tokens: list[int], segments: Sequence[torch.Tensor]) -> None:
         if self.cache.length:
             raise ValueError("load() needs an empty runner.")
-        self.cache.reserve(len(tokens))
-        pos = 0
+        held = sum(int(segment.shape[3]) for segment in segments)
+        if held != len(tokens):
+            raise ValueError(f"Cached segments hold {held} positions for {len(tokens)} tokens.")
+        self.cache.reserve(held)
         for segment in segments:
-            n = segment.shape[3]
-            for layer, kv in zip(self.cache.layers, segment, strict=True):
-                layer[:, :, pos : pos + n] = kv
-            pos += n
-        if pos != len(tokens):
-            raise ValueError(f"Cached segments hold {pos} positions for {len(tokens)} tokens.")
-        self.cache.length = pos
+            self.cache.write(segment)
         self.tokens = list(tokens)
-
-
-def _stack(parts: list[torch.Tensor]) -> torch.Tensor:
-    return torch.stack(parts)
