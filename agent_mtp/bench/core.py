@@ -459,7 +459,7 @@ def _summary(name: str, mine: list[Run]) -> VariantSummary | None:
         p95_latency_s=percentile(latencies, 0.95),
         jump_forward_share=sum(r.jump_forward_tokens for r in mine) / tokens if tokens else 0.0,
         decode_tokens_per_s=decode_tokens / decode_wall if decode_wall > 0 else math.nan,
-        prefill_share=min(1.0, sum(r.ttft_s for r in timed) / timed_wall) if timed_wall > 0 else math.nan,
+        prefill_share=min(1.0, sum(ttfts) / timed_wall) if timed_wall > 0 else math.nan,
         ntp_match=_mean(r.exact for r in mine),
         token_agreement=_mean(r.token_agreement for r in mine),
         task_agreement=_mean(r.task_agreement for r in mine),
