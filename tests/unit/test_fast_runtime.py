@@ -248,10 +248,12 @@ def test_cache_layers_are_views_of_one_storage_copied_in_and_out_at_once() -> No
     for i, layer in enumerate(cache.layers):
         assert layer.data_ptr() == cache.storage[i].data_ptr() and layer.is_contiguous()
         assert torch.equal(layer[:, :, :5], segment[i])
-    cache.layers[1][:, :, 5] = 7.0  # a pass writes a position through a layer's view
+    for i, layer in enumerate(cache.layers):  # a pass writes a position of every layer through the layer's view
+        layer[:, :, 5] = 7.0 + i  # (every layer: unwritten positions hold whatever torch.empty left, NaN included)
     cache.length = 6
     cache.write(torch.ones(3, 2, 2, 4, 4))  # grows again: the written positions move with the storage
-    assert cache.capacity == 16 and cache.layers[1][:, :, 5].eq(7.0).all()
+    assert cache.capacity == 16
+    assert all(layer[:, :, 5].eq(7.0 + i).all() for i, layer in enumerate(cache.layers))
     read = cache.read(2, 6)
     assert read.shape == (3, 2, 2, 4, 4) and torch.equal(read[:, :, :, :3], segment[:, :, :, 2:])
     read.zero_()  # a copy: the cache keeps its values
